@@ -1,0 +1,53 @@
+"""Every version-dependent access to torch / transformers / accelerate lives here.
+
+Pinned behaviour (transformers 5.x): `ALL_ATTENTION_FUNCTIONS[key] = fn` and `del` touch only
+the singleton's instance-local mapping, and `create_causal_mask` builds no mask for a key that
+is absent from `ALL_MASK_ATTENTION_FUNCTIONS._global_mapping`. `tests/unit/test_compat.py`
+checks both, so an upgrade that changes them fails loudly instead of silently.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from packaging import version
+
+TRANSFORMERS_VERSION = version.parse(transformers.__version__)
+MIN_TRANSFORMERS = version.parse("5.0.0")
+
+
+def check_versions() -> None:
+    """Raise a `ValueError` naming the upgrade when transformers is too old for this plugin."""
+    if TRANSFORMERS_VERSION < MIN_TRANSFORMERS:
+        raise ValueError(f"hf_longctx needs transformers>={MIN_TRANSFORMERS}; found {transformers.__version__}.")
+
+
+def attention_registries() -> tuple[Any, Any]:
+    """transformers' attention-function and attention-mask registries (singletons)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def resolve_kernel(name: str, module: torch.nn.Module) -> Callable[..., Any]:
+    """The attention function a model runs for `name`; "eager" is the modeling file's own function.
+
+    Raises:
+        ValueError: no such kernel is registered or defined next to the attention module.
+    """
+    if name != "eager":
+        registry, _ = attention_registries()
+        if name in registry:
+            return registry[name]
+        raise ValueError(f"Attention implementation {name!r} is not registered in transformers.")
+    # Models call get_interface(name, eager_attention_forward) with their *own* eager function
+    # (some add softcapping or sinks), so take it from the module that defines the attention class.
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"{type(module).__name__} has no eager_attention_forward next to it; load the model with sdpa.")
+    return fn

@@ -1,0 +1,1 @@
+"""Sequence-parallel attention: Ulysses (`ulysses.py`), kernel inputs (`kernels.py`), registration (`registry.py`)."""

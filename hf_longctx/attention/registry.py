@@ -1,0 +1,151 @@
+"""The only module that touches transformers' attention registries.
+
+`enable_sequence_parallel(model, groups)` is the main entry: it registers a Ulysses wrapper of
+the model's own kernel under a fresh key (other models in the process keep theirs), points the
+model's text config at that key, and adds one forward pre-hook that all-gathers the global
+`position_ids` once per forward. Everything is undone by `handle.remove()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..comm import all_gather_sequence
+from ..groups import SequenceParallelGroups
+from .kernels import SequenceContext, kernel_family
+from .ulysses import check_heads, ulysses_attention
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("ulysses",)
+KEY_PREFIX = "hf_longctx_ulysses"
+_HANDLE_ATTR = "_hf_longctx_sp_handle"
+_keys = itertools.count()
+
+
+class SequenceParallelHandle:
+    """Undo record of `enable_sequence_parallel`; `.remove()` or leaving the `with` block restores all."""
+
+    def __init__(self, model: torch.nn.Module, groups: SequenceParallelGroups, key: str, kernel_name: str) -> None:
+        self.model, self.groups, self.key, self.kernel_name = model, groups, key, kernel_name
+        self.context: SequenceContext | None = None
+        self._undo: list[Callable[[], None]] = []
+
+    @property
+    def active(self) -> bool:
+        """True until `remove()` has run."""
+        return bool(self._undo)
+
+    def remove(self) -> None:
+        """Restore the model's attention implementation and unregister everything (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+        self.context = None
+
+    def __enter__(self) -> SequenceParallelHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _capture_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        # Forward pre-hook: one all-gather per forward, shared by every layer.
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError(
+                "Sequence parallelism needs the global position_ids of the shard: call the model with "
+                "the output of hf_longctx.shard_batch(batch, groups) (or remove the handle first)."
+            )
+        self.context = SequenceContext(all_gather_sequence(position_ids.long(), self.groups.sp_group))
+
+
+def _attention_config(model: torch.nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("enable_sequence_parallel needs a transformers PreTrainedModel (no .config found).")
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def enable_sequence_parallel(
+    model: torch.nn.Module, groups: SequenceParallelGroups, backend: str = "ulysses"
+) -> SequenceParallelHandle:
+    """Make `model`'s attention sequence-parallel over `groups.sp_group`.
+
+    Call it on the unwrapped model, before DDP/FSDP/DeepSpeed wrapping or after (the hook and the
+    config are on the model object itself). Batches must then come from `hf_longctx.shard_batch`.
+
+    Args:
+        model: a transformers model whose attention uses `ALL_ATTENTION_FUNCTIONS`.
+        groups: the process groups from `SequenceParallelGroups.build`.
+        backend: "ulysses" (the only one available in this version).
+
+    Returns:
+        A handle; `handle.remove()` (or leaving it as a context manager) restores the model exactly.
+
+    Raises:
+        ValueError: unknown backend, SP already enabled on this model, an unsupported attention
+            implementation, or head counts incompatible with the SP size.
+    """
+    _compat.check_versions()
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown sequence-parallel backend {backend!r}; available: {list(BACKENDS)}.")
+    if getattr(model, _HANDLE_ATTR, None) is not None:
+        raise ValueError("Sequence parallelism is already enabled on this model; call handle.remove() first.")
+    config = _attention_config(model)
+    kernel_name = config._attn_implementation or "eager"
+    family = kernel_family(kernel_name)
+    num_heads = config.num_attention_heads
+    check_heads(num_heads, groups.sp_world_size)
+
+    key = f"{KEY_PREFIX}_{next(_keys)}"
+    handle = SequenceParallelHandle(model, groups, key, kernel_name)
+    kernels: dict[type, Callable[..., Any]] = {}
+
+    def attention(module: torch.nn.Module, query, key_, value, attention_mask, **kwargs):
+        if handle.context is None:
+            raise ValueError("No sequence context: the model must be called through its top-level forward.")
+        kernel = kernels.get(type(module))
+        if kernel is None:
+            kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
+        return ulysses_attention(
+            module,
+            query,
+            key_,
+            value,
+            kernel=kernel,
+            kernel_name=kernel_name,
+            family=family,
+            context=handle.context,
+            groups=groups,
+            **kwargs,
+        )
+
+    attn_registry, mask_registry = _compat.attention_registries()
+    try:
+        attn_registry[key] = attention
+        handle._undo.append(lambda: attn_registry.__delitem__(key))
+        # The mask is built here from global positions; transformers must build none on the shard.
+        mask_registry[key] = _no_mask
+        handle._undo.append(lambda: mask_registry.__delitem__(key))
+        previous = config._attn_implementation_internal
+        config._attn_implementation_internal = key
+        handle._undo.append(lambda: setattr(config, "_attn_implementation_internal", previous))
+        hook = model.register_forward_pre_hook(handle._capture_positions, with_kwargs=True)
+        handle._undo.append(hook.remove)
+        setattr(model, _HANDLE_ATTR, handle)
+        handle._undo.append(lambda: delattr(model, _HANDLE_ATTR))
+    except Exception:
+        handle.remove()
+        raise
+    logger.info("hf_longctx: %s attention over %d ranks (kernel %s, key %s)", backend, groups.sp_world_size, kernel_name, key)
+    return handle
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -1,0 +1,166 @@
+"""Ulysses attention: sequence-sharded q/k/v -> head-sharded full sequence -> model kernel -> back.
+
+`ulysses_attention` is the main (pure) function; `attention/registry.py` plugs it into
+transformers' attention registry. One all-to-all carries q, k and v together, and each rank
+receives only the key/value heads its query heads use (GQA/MQA included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from ..comm import all_to_all
+from ..groups import SequenceParallelGroups
+from .kernels import SequenceContext, kernel_inputs
+
+
+def valid_sp_sizes(num_heads: int) -> list[int]:
+    """SP sizes Ulysses supports for a model with `num_heads` query heads."""
+    return [p for p in range(1, num_heads + 1) if num_heads % p == 0]
+
+
+def check_heads(num_heads: int, sp_size: int) -> None:
+    """Raise a `ValueError` naming the SP sizes that work when `num_heads % sp_size != 0`."""
+    if num_heads % sp_size != 0:
+        raise ValueError(
+            f"Ulysses needs num_attention_heads ({num_heads}) divisible by sp_size ({sp_size}); "
+            f"valid sp_size values for this model: {valid_sp_sizes(num_heads)}."
+        )
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Which heads each rank computes after the all-to-all.
+
+    Rank r owns query heads `[r * q_local, (r + 1) * q_local)`. `kv_index` lists, destination by
+    destination, the key/value heads to send (`kv_local` per rank); `None` means a plain split.
+    """
+
+    q_local: int
+    kv_local: int
+    kv_groups_local: int  # query heads per key/value head on each rank
+    kv_index: tuple[int, ...] | None
+
+
+@lru_cache(maxsize=64)
+def head_layout(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
+    """Plan the head exchange for `num_heads` query and `num_kv_heads` key/value heads on `sp_size` ranks.
+
+    Raises:
+        ValueError: heads not divisible by `sp_size`, or query heads not a multiple of kv heads.
+    """
+    check_heads(num_heads, sp_size)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads}).")
+    q_local, group = num_heads // sp_size, num_heads // num_kv_heads
+    if num_kv_heads % sp_size == 0:
+        # Every rank gets its own contiguous block of kv heads: no copy needed.
+        return HeadLayout(q_local, num_kv_heads // sp_size, group, None)
+    if group % q_local == 0:
+        # A rank's query heads all read one kv head (MQA, or kv heads < sp_size): send it alone.
+        index = tuple(r * q_local // group for r in range(sp_size))
+        return HeadLayout(q_local, 1, q_local, index)
+    # Irregular split: give every local query head its own copy of its kv head.
+    index = tuple(h // group for h in range(num_heads))
+    return HeadLayout(q_local, q_local, 1, index)
+
+
+class _KernelModuleView:
+    """The attention module as the local kernel must see it: local GQA ratio, original kernel name.
+
+    Kernels read `module.num_key_value_groups` (GQA expansion) and flash reads
+    `module.config._attn_implementation`; both differ on the full-sequence/local-heads side, and a
+    view avoids mutating the real module or the shared config.
+    """
+
+    def __init__(self, module: torch.nn.Module, kv_groups: int, kernel_name: str) -> None:
+        self._module = module
+        self.num_key_value_groups = kv_groups
+        self.config = _ConfigView(module.config, kernel_name) if hasattr(module, "config") else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class _ConfigView:
+    def __init__(self, config: Any, kernel_name: str) -> None:
+        self._config = config
+        self._attn_implementation = kernel_name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _exchange_qkv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: HeadLayout, groups: SequenceParallelGroups
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`."""
+    ws, group = groups.sp_world_size, groups.sp_group
+    if layout.kv_index is not None:
+        index = torch.tensor(layout.kv_index, device=key.device)
+        key, value = key.index_select(1, index), value.index_select(1, index)
+    if query.shape[-1] == key.shape[-1] == value.shape[-1]:
+        # One collective: per destination, [q heads | k heads | v heads] side by side.
+        # [bs, ws, hc_l + 2 * kv_l, sl_l, hs] -> [bs, ws * (hc_l + 2 * kv_l), sl_l, hs]
+        qkv = torch.cat(
+            [query.unflatten(1, (ws, -1)), key.unflatten(1, (ws, -1)), value.unflatten(1, (ws, -1))], dim=2
+        ).flatten(1, 2)
+        qkv = all_to_all(qkv, scatter_dim=1, gather_dim=2, group=group)  # [bs, hc_l + 2 * kv_l, sl, hs]
+        return qkv.split([layout.q_local, layout.kv_local, layout.kv_local], dim=1)
+    # Head dims differ (e.g. MLA): three collectives.
+    return tuple(all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
+
+
+def ulysses_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    kernel: Callable[..., tuple[torch.Tensor, Any]],
+    kernel_name: str,
+    family: str,
+    context: SequenceContext,
+    groups: SequenceParallelGroups,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the full sequence for a rank that holds one sequence shard.
+
+    Args:
+        module: the model's attention module (read by the kernel).
+        query: `[bs, hc, sl_l, hs]` local queries (RoPE applied with global positions).
+        key: `[bs, hc_kv, sl_l, hs]` local keys.
+        value: `[bs, hc_kv, sl_l, hs_v]` local values.
+        kernel: the model's own attention function (sdpa, eager, flash, flex).
+        kernel_name: its name in transformers' registry (flash branches on it).
+        family: the kernel family, see `kernels.kernel_family`.
+        context: global sequence metadata of this forward.
+        groups: SP groups; the exchange runs over `groups.sp_group`.
+        **kwargs: what the model passed to the attention function (dropout, scaling, ...).
+
+    Returns:
+        `([bs, sl_l, hc, hs_v], None)`: the layout transformers expects from attention functions.
+
+    Raises:
+        ValueError: head counts incompatible with the SP size, or the shard length does not
+            match the forward's global sequence.
+    """
+    bs, num_heads, sl_l, _ = query.shape
+    ws = groups.sp_world_size
+    if context.position_ids.shape != (bs, sl_l * ws):
+        raise ValueError(
+            f"Local shard [bs={bs}, seq={sl_l}] x sp={ws} does not match the global position_ids "
+            f"{tuple(context.position_ids.shape)}: build the batch with hf_longctx.shard_batch."
+        )
+    layout = head_layout(num_heads, key.shape[1], ws)
+    q, k, v = _exchange_qkv(query, key, value, layout, groups)
+    mask, kernel_kwargs = kernel_inputs(family, context, q, kwargs)
+    view = _KernelModuleView(module, layout.kv_groups_local, kernel_name)
+    out, _ = kernel(view, q, k, v, mask, **kernel_kwargs)  # [bs, sl, hc_l, hs_v]
+    out = all_to_all(out, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, sl_l, hc, hs_v]
+    return out, None

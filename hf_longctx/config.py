@@ -1,0 +1,66 @@
+"""`ParallelismConfig`: accelerate's parallelism config with hf_longctx's SP backends.
+
+Users set it as `parallelism_config=` in `TrainingArguments` / `SFTConfig`. It accepts the
+backends implemented here ("ulysses") and keeps accelerate's own ("deepspeed") untouched. Every
+check raises a `ValueError` that names the field to change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from accelerate.parallelism_config import ParallelismConfig as _AccelerateParallelismConfig
+
+OUR_BACKENDS = ("ulysses",)
+UPSTREAM_BACKENDS = ("deepspeed",)
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig(_AccelerateParallelismConfig):
+    """accelerate's `ParallelismConfig` plus `sp_backend="ulysses"` (the default here).
+
+    `sp_backend="deepspeed"` keeps accelerate's upstream DeepSpeed ALST path unchanged.
+    """
+
+    sp_size: int = field(default=1, metadata={"help": "Ranks that split one sequence (sequence-parallel degree)."})
+    sp_backend: str = field(
+        default="ulysses",
+        metadata={"help": f"Sequence-parallel backend: one of {list(OUR_BACKENDS + UPSTREAM_BACKENDS)}."},
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
+            raise ValueError(f"sp_size must be an integer >= 1, got {self.sp_size!r}.")
+        if self.sp_backend not in OUR_BACKENDS + UPSTREAM_BACKENDS:
+            raise ValueError(
+                f"Unknown sp_backend {self.sp_backend!r}; set sp_backend to one of "
+                f"{list(OUR_BACKENDS + UPSTREAM_BACKENDS)}."
+            )
+        if self.sp_backend in UPSTREAM_BACKENDS:
+            super().__post_init__()
+            return
+        # accelerate validates sp_backend against a hard-coded ["deepspeed"] and would attach a
+        # DeepSpeed handler: run its checks under that name, then restore ours.
+        backend = self.sp_backend
+        self.sp_backend = "deepspeed"
+        try:
+            super().__post_init__()
+        finally:
+            self.sp_backend = backend
+        self.sp_handler = None
+        if (self.tp_size or 1) > 1 and self.sp_size > 1:
+            raise ValueError("tp_size > 1 cannot be combined with sp_backend='ulysses' yet; set tp_size=1.")
+
+    @property
+    def sp_upstream(self) -> bool:
+        """True when SP is delegated to accelerate's DeepSpeed path rather than hf_longctx."""
+        return self.sp_backend in UPSTREAM_BACKENDS
+
+    @classmethod
+    def from_env(cls) -> ParallelismConfig:
+        """Build from accelerate's `PARALLELISM_CONFIG_*` variables (what `accelerate launch` exports)."""
+        return cls(
+            sp_size=int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")),
+            sp_backend=os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "ulysses"),
+        )

@@ -1,0 +1,1 @@
+"""Sequence sharding of batches: pure functions in `sharding.py`."""

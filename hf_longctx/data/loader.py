@@ -1,0 +1,83 @@
+"""Batch sharding with cross-rank checks: `shard_batch` is the main entry.
+
+The pure slicing lives in `sharding.py`; this module adds the one collective that turns a rank
+desync (different samples, shapes or dtypes inside an SP group) into a `ValueError` on every
+rank instead of a hang or a silently wrong loss inside the attention all-to-all.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..groups import SequenceParallelGroups
+from .sharding import shard_batch_for_rank
+
+_SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
+
+
+def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
+    """A small int64 fingerprint of a batch: key names, dtypes, shapes and the token content."""
+    layout = ";".join(
+        f"{k}:{v.dtype}:{tuple(v.shape)}" for k, v in sorted(batch.items()) if isinstance(v, torch.Tensor)
+    )
+    ids = batch.get("input_ids")
+    if ids is None:
+        ids = batch.get("inputs_embeds")
+    bs, sl = (ids.shape[0], ids.shape[1]) if ids is not None else (-1, -1)
+    checksum = 0
+    if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+        weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device)
+        checksum = int((ids.reshape(-1).to(torch.int64) * weights).sum())
+    return torch.tensor([zlib.crc32(layout.encode()), bs, sl, checksum], dtype=torch.int64)
+
+
+def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGroups) -> None:
+    """Raise on every rank when the SP ranks of a group do not hold the same batch.
+
+    Raises:
+        ValueError: naming which property differs and each rank's value.
+    """
+    if not groups.sp_enabled:
+        return
+    mine = batch_signature(batch)
+    everyone = [torch.empty_like(mine) for _ in range(groups.sp_world_size)]
+    dist.all_gather(everyone, mine, group=groups.sp_group)
+    table = torch.stack(everyone)
+    differs = [name for i, name in enumerate(_SIGNATURE_FIELDS) if bool((table[:, i] != table[0, i]).any())]
+    if differs:
+        per_rank = {r: table[r].tolist() for r in range(groups.sp_world_size)}
+        raise ValueError(
+            f"Sequence-parallel ranks hold different batches ({', '.join(differs)} differ; per SP rank "
+            f"{list(_SIGNATURE_FIELDS)}: {per_rank}). Every rank of an SP group must read the same samples: "
+            "use a sampler seeded identically and sharded by DP rank only."
+        )
+
+
+def shard_batch(
+    batch: Mapping[str, Any], groups: SequenceParallelGroups, *, pad_token_id: int = 0, check: bool = True
+) -> dict[str, Any]:
+    """The local shard of a full batch that every rank of the SP group holds identically.
+
+    Args:
+        batch: a collated batch with `input_ids` (or `inputs_embeds`) `[bs, sl]` and optionally
+            `labels`, `shift_labels`, `attention_mask` (right padding), `position_ids` (restarting
+            at 0 for packed documents) and padding-free `cu_seq_lens_*`.
+        groups: the SP/DP groups.
+        pad_token_id: value used to pad `input_ids` up to a multiple of the SP size.
+        check: verify (one small all-gather) that all SP ranks hold the same batch.
+
+    Returns:
+        The local shard: `input_ids`, `position_ids` (global), `shift_labels` (when labels were
+        given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed.
+
+    Raises:
+        ValueError: the ranks disagree on the batch, left padding, or a malformed batch.
+    """
+    if check:
+        check_batch_consistency(batch, groups)
+    return shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id)

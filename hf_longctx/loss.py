@@ -1,0 +1,79 @@
+"""Token-weighted loss across the ranks of a sequence-parallel group.
+
+`sequence_parallel_loss` is the main function. Each rank holds the logits of its slice of the
+sequence; the loss is the sum of every token loss in the group divided by one exact integer count,
+so an SP run reports and back-propagates the same number as a single-device run on the same batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .comm import all_reduce_sum
+from .data.sharding import IGNORE_INDEX
+from .groups import SequenceParallelGroups
+
+
+class _GroupSum(torch.autograd.Function):
+    """Forward: the sum of `x` over the group. Backward: the incoming gradient times `grad_scale`.
+
+    The exact adjoint of an all-reduce would all-reduce P identical gradients, i.e. multiply by P;
+    this gives the same result without a collective in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, grad_scale: float) -> torch.Tensor:
+        ctx.grad_scale = grad_scale
+        return all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.grad_scale, None, None
+
+
+def count_valid_tokens(shift_labels: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Number of labels different from `IGNORE_INDEX`, summed over `group` as an int64 tensor."""
+    return all_reduce_sum((shift_labels != IGNORE_INDEX).sum(dtype=torch.int64), group)
+
+
+def sequence_parallel_loss(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    groups: SequenceParallelGroups,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy summed over the SP group and divided by the global number of valid tokens.
+
+    Args:
+        logits: `[bs, sl_l, vocab]` logits of this rank's shard.
+        shift_labels: `[bs, sl_l]` pre-shifted labels of the shard (`IGNORE_INDEX` = no loss).
+        groups: the SP/DP groups; the sum runs over `groups.sp_group`.
+        num_items_in_batch: the denominator to use instead of the SP group's valid-token count,
+            e.g. the count over DP ranks and a gradient-accumulation window (Trainer semantics).
+
+    Returns:
+        A scalar, identical on every rank of the SP group: the group's summed token loss divided
+        by the denominator. Its gradient is scaled by the SP size, so averaging gradients over
+        the SP group (what DDP, FSDP and ZeRO do) yields exactly the single-device gradient. A
+        shard without any valid label contributes 0, never NaN, and still back-propagates.
+
+    Raises:
+        ValueError: `logits` and `shift_labels` disagree on `[bs, sl_l]`.
+    """
+    if logits.shape[:-1] != shift_labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree on [batch, seq]."
+        )
+    labels = shift_labels.to(logits.device)
+    local_sum = F.cross_entropy(
+        logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    total = _GroupSum.apply(local_sum, groups.sp_group, float(groups.sp_world_size))
+    if num_items_in_batch is None:
+        denom = count_valid_tokens(labels, groups.sp_group)
+    else:
+        denom = torch.as_tensor(num_items_in_batch, device=logits.device)
+    # A batch without any valid label: 0 with a connected graph, never 0 / 0.
+    return total / denom.clamp(min=1).to(total.dtype)

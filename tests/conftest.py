@@ -1,0 +1,35 @@
+"""Shared pytest setup: offline Hugging Face environment, `gpu` and `slow` marker handling."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests never reach the hub: tiny models and data are built in-process or shipped with the package.
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ[_var] = "1"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--skip-slow",
+        action="store_true",
+        default=False,
+        help="skip tests marked `slow` (they run by default, and in CI)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_slow = config.getoption("--skip-slow")
+    has_gpu_tests = any(item.get_closest_marker("gpu") for item in items)
+    cuda = False
+    if has_gpu_tests:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    for item in items:
+        if item.get_closest_marker("gpu") and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if skip_slow and item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.skip(reason="slow test skipped by --skip-slow"))
