@@ -52,6 +52,25 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         if (self.tp_size or 1) > 1 and self.sp_size > 1:
             raise ValueError("tp_size > 1 cannot be combined with sp_backend='ulysses' yet; set tp_size=1.")
 
+    def build_device_mesh(self, device_type: str):
+        """accelerate's mesh without an SP axis: our SP groups are built by `SequenceParallelGroups`."""
+        if self.sp_upstream:
+            return super().build_device_mesh(device_type)
+        from .trainer import _sp_hidden
+
+        with _sp_hidden(self):
+            return super().build_device_mesh(device_type)
+
+    def _validate_accelerator(self, accelerator) -> None:
+        """Called by `Accelerator.__init__`: validate, then hook hf_longctx SP into that accelerator."""
+        if self.sp_upstream:
+            return super()._validate_accelerator(accelerator)
+        from .trainer import _sp_hidden, attach
+
+        with _sp_hidden(self):
+            super()._validate_accelerator(accelerator)
+        attach(self, accelerator)
+
     @property
     def sp_upstream(self) -> bool:
         """True when SP is delegated to accelerate's DeepSpeed path rather than hf_longctx."""

@@ -17,6 +17,7 @@ import torch
 
 from .. import _compat
 from ..comm import all_gather_sequence
+from ..data.loader import SIGNATURE_KEY, check_shard_consistency
 from ..groups import SequenceParallelGroups
 from .kernels import SequenceContext, kernel_family
 from .ulysses import check_heads, ulysses_attention
@@ -54,15 +55,18 @@ class SequenceParallelHandle:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    def _capture_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        # Forward pre-hook: one all-gather per forward, shared by every layer.
+    def _capture_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        # Forward pre-hook: one shape check and one all-gather per forward, shared by every layer.
+        signature = kwargs.pop(SIGNATURE_KEY, None)
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(
                 "Sequence parallelism needs the global position_ids of the shard: call the model with "
                 "the output of hf_longctx.shard_batch(batch, groups) (or remove the handle first)."
             )
+        check_shard_consistency(position_ids, signature, self.groups)
         self.context = SequenceContext(all_gather_sequence(position_ids.long(), self.groups.sp_group))
+        return args, kwargs
 
 
 def _attention_config(model: torch.nn.Module) -> Any:

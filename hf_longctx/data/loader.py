@@ -18,6 +18,8 @@ from ..groups import SequenceParallelGroups
 from .sharding import shard_batch_for_rank
 
 _SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
+# A batch may carry its full-batch signature under this key; the model pre-hook pops and checks it.
+SIGNATURE_KEY = "hf_longctx_batch_signature"
 
 
 def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -36,26 +38,50 @@ def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
     return torch.tensor([zlib.crc32(layout.encode()), bs, sl, checksum], dtype=torch.int64)
 
 
-def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGroups) -> None:
-    """Raise on every rank when the SP ranks of a group do not hold the same batch.
-
-    Raises:
-        ValueError: naming which property differs and each rank's value.
-    """
-    if not groups.sp_enabled:
-        return
-    mine = batch_signature(batch)
-    everyone = [torch.empty_like(mine) for _ in range(groups.sp_world_size)]
-    dist.all_gather(everyone, mine, group=groups.sp_group)
-    table = torch.stack(everyone)
-    differs = [name for i, name in enumerate(_SIGNATURE_FIELDS) if bool((table[:, i] != table[0, i]).any())]
+def _raise_on_mismatch(values: torch.Tensor, fields: tuple[str, ...], groups: SequenceParallelGroups) -> None:
+    # One all-gather of a fixed-size tensor: it cannot hang on mismatched shapes.
+    everyone = [torch.empty_like(values) for _ in range(groups.sp_world_size)]
+    dist.all_gather(everyone, values, group=groups.sp_group)
+    table = torch.stack(everyone).cpu()
+    differs = [name for i, name in enumerate(fields) if bool((table[:, i] != table[0, i]).any())]
     if differs:
         per_rank = {r: table[r].tolist() for r in range(groups.sp_world_size)}
         raise ValueError(
             f"Sequence-parallel ranks hold different batches ({', '.join(differs)} differ; per SP rank "
-            f"{list(_SIGNATURE_FIELDS)}: {per_rank}). Every rank of an SP group must read the same samples: "
+            f"{list(fields)}: {per_rank}). Every rank of an SP group must read the same samples: "
             "use a sampler seeded identically and sharded by DP rank only."
         )
+
+
+def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGroups) -> None:
+    """Raise on every rank when the SP ranks of a group do not hold the same full batch.
+
+    Raises:
+        ValueError: naming which property differs and each rank's value.
+    """
+    if groups.sp_enabled:
+        _raise_on_mismatch(batch_signature(batch), _SIGNATURE_FIELDS, groups)
+
+
+def check_shard_consistency(
+    position_ids: torch.Tensor, signature: torch.Tensor | None, groups: SequenceParallelGroups
+) -> None:
+    """Before the first collective of a forward: the shards agree in shape and come from one batch.
+
+    Args:
+        position_ids: the local `[bs, sl_l]` positions of the shard.
+        signature: the full batch's `batch_signature`, when the collator attached one.
+        groups: the SP groups.
+
+    Raises:
+        ValueError: naming what differs across the SP ranks.
+    """
+    if not groups.sp_enabled:
+        return
+    sig = signature.cpu() if signature is not None else torch.zeros(len(_SIGNATURE_FIELDS), dtype=torch.int64)
+    shape = torch.tensor([position_ids.shape[0], position_ids.shape[-1]], dtype=torch.int64)
+    values = torch.cat([sig.to(torch.int64), shape]).to(position_ids.device)
+    _raise_on_mismatch(values, (*_SIGNATURE_FIELDS, "shard batch size", "shard sequence length"), groups)
 
 
 def shard_batch(

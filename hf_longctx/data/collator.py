@@ -1,0 +1,46 @@
+"""`SequenceShardingCollator`: wraps any collate function so each rank receives its sequence shard.
+
+Sharding inside the collate function (instead of wrapping the DataLoader) keeps every DataLoader
+feature that rebuilds loaders from their `collate_fn` — accelerate's `skip_first_batches` on
+resume, worker processes, stateful loaders — and keeps the shard pure (no collectives here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .loader import SIGNATURE_KEY, batch_signature
+from .sharding import shard_batch_for_rank
+
+
+class SequenceShardingCollator:
+    """`collate_fn(features)` then keep rank `sp_rank`'s slice of every sequence tensor.
+
+    The shard carries `labels` = `shift_labels` (pre-shifted on the full sequence; HF losses and
+    TRL use `shift_labels` as-is and Trainer counts them), an `attention_mask` that is 0 on the
+    padding added for the SP size, and the full batch's signature for the cross-rank check.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], sp_rank: int, sp_world_size: int, pad_token_id: int = 0):
+        self.collate_fn, self.sp_rank, self.sp_world_size = collate_fn, sp_rank, sp_world_size
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        batch = self.collate_fn(features)
+        if not isinstance(batch, Mapping):
+            raise ValueError(
+                f"Sequence parallelism needs a collator that returns a dict of tensors, got {type(batch).__name__}."
+            )
+        batch = dict(batch)
+        signature = batch_signature(batch)
+        if "attention_mask" not in batch and isinstance(batch.get("input_ids"), torch.Tensor):
+            # Padding-free batches have no mask; one of ones lets Trainer/TRL count real tokens exactly.
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"], dtype=torch.long)
+        shard = shard_batch_for_rank(batch, self.sp_rank, self.sp_world_size, pad_token_id=self.pad_token_id)
+        if "shift_labels" in shard:
+            shard["labels"] = shard["shift_labels"]
+        shard[SIGNATURE_KEY] = signature
+        return shard
