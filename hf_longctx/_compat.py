@@ -49,5 +49,7 @@ def resolve_kernel(name: str, module: torch.nn.Module) -> Callable[..., Any]:
     # (some add softcapping or sinks), so take it from the module that defines the attention class.
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
-        raise ValueError(f"{type(module).__name__} has no eager_attention_forward next to it; load the model with sdpa.")
+        raise ValueError(
+            f"{type(module).__name__} has no eager_attention_forward next to it; load the model with sdpa."
+        )
     return fn

@@ -54,9 +54,7 @@ def _build_gpt2_tokenizer() -> PreTrainedTokenizerFast:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token=EOT, eos_token=EOT, unk_token=EOT, pad_token=EOT
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=EOT, eos_token=EOT, unk_token=EOT, pad_token=EOT)
     tok.model_max_length = 1 << 30  # long-context: silence the 1024-token length warning
     return tok
 
@@ -93,9 +91,7 @@ def gpt2_tokenizer(cache_dir: str | None = None) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(out)
 
 
-def tiny_llama_config(
-    tokenizer: PreTrainedTokenizerBase, vocab_size: int = 50304, **overrides
-) -> LlamaConfig:
+def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, vocab_size: int = 50304, **overrides) -> LlamaConfig:
     """Config of the default 7.2 M-parameter Llama (4 layers, hidden 128, 8 query / 4 KV heads).
 
     Args:

@@ -34,7 +34,8 @@ def train_sp(model, batches, groups, lr: float, log=print) -> list[float]:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-            log(f"step {step + 1}/{len(batches)}  loss {loss.item():.6f}  {ids.numel() / (time.perf_counter() - start):,.0f} tokens/s")
+            rate = ids.numel() / (time.perf_counter() - start)
+            log(f"step {step + 1}/{len(batches)}  loss {loss.item():.6f}  {rate:,.0f} tokens/s")
     return losses
 
 
@@ -79,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(max(torch.get_num_threads(), world))
         log("single-device reference on the same batches ...")
         ref = train_reference(tiny_llama(tok, num_hidden_layers=args.layers), batches, args.lr)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(sp_losses, ref))
-        log("step  loss(SP=%d)   loss(SP=1)" % world)
-        for i, (a, b) in enumerate(zip(sp_losses, ref)):
+        worst = max(abs(a - b) / abs(b) for a, b in zip(sp_losses, ref, strict=True))
+        log(f"step  loss(SP={world})   loss(SP=1)")
+        for i, (a, b) in enumerate(zip(sp_losses, ref, strict=True)):
             log(f"{i + 1:4d}  {a:.6f}  {b:.6f}")
         log(f"SP={world} vs SP=1: max relative loss difference {worst:.2e} over {len(ref)} steps")
     dist.barrier()

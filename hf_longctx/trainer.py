@@ -99,7 +99,10 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
     setattr(accelerator, STATE_ATTR, state)
     install_trainer_patches()
     logger.info(
-        "hf_longctx: sequence parallelism sp=%d x dp=%d (%s)", config.sp_size, state.groups.dp_world_size, config.sp_backend
+        "hf_longctx: sequence parallelism sp=%d x dp=%d (%s)",
+        config.sp_size,
+        state.groups.dp_world_size,
+        config.sp_backend,
     )
     return state
 
@@ -118,7 +121,9 @@ def _wrap_accelerator(accelerator: Any, state: SequenceParallelState) -> None:
         state.enable(model)
         return prepare_model(model, *args, **kwargs)
 
-    def prepare_data_loader_sp(data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None) -> Any:
+    def prepare_data_loader_sp(
+        data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
         return _prepare_data_loader(accelerator, state.groups, data_loader, device_placement, slice_fn_for_dispatch)
 
     accelerator.prepare = prepare_sp
@@ -146,7 +151,9 @@ def _prepare_data_loader(
     if not isinstance(data_loader.collate_fn, SequenceShardingCollator):
         data_loader.collate_fn = SequenceShardingCollator(data_loader.collate_fn, groups.sp_rank, groups.sp_world_size)
     if device_placement is None:
-        device_placement = accelerator.device_placement if accelerator.distributed_type != DistributedType.XLA else False
+        device_placement = (
+            accelerator.device_placement if accelerator.distributed_type != DistributedType.XLA else False
+        )
     prepared = prepare_data_loader(
         data_loader,
         accelerator.device,
@@ -240,8 +247,14 @@ def install_trainer_patches() -> list[Patch]:
     """Patch `Trainer` (and any loaded subclass overriding `prediction_step`); idempotent."""
     from transformers import Trainer
 
-    wanted = [(Trainer, "get_sp_size", _get_sp_size), (Trainer, "get_total_train_batch_size", _get_total_train_batch_size)]
-    wanted += [(owner, "prediction_step", _prediction_step) for owner in (Trainer, *_subclasses_defining(Trainer, "prediction_step"))]
+    wanted = [
+        (Trainer, "get_sp_size", _get_sp_size),
+        (Trainer, "get_total_train_batch_size", _get_total_train_batch_size),
+    ]
+    wanted += [
+        (owner, "prediction_step", _prediction_step)
+        for owner in (Trainer, *_subclasses_defining(Trainer, "prediction_step"))
+    ]
     for owner, name, make in wanted:
         patch = _TRAINER_PATCHES.setdefault((owner, name), Patch(owner, name, make))
         patch.apply()

@@ -119,7 +119,9 @@ def kernel_inputs(
         `(attention_mask, kwargs)` for the kernel; local padding-free metadata is replaced by
         global metadata and `position_ids` by the global positions.
     """
-    kw = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    kw = {
+        k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    }
     kw["position_ids"] = context.position_ids
     window = kw.get("sliding_window")
     if family == "sdpa":

@@ -8,6 +8,7 @@ model's text config at that key, and adds one forward pre-hook that all-gathers 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from collections.abc import Callable
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("ulysses",)
 KEY_PREFIX = "hf_longctx_ulysses"
 _HANDLE_ATTR = "_hf_longctx_sp_handle"
+CONTEXT_KWARG = "hf_longctx_sp_context"
 _keys = itertools.count()
 
 
@@ -36,6 +38,9 @@ class SequenceParallelHandle:
     def __init__(self, model: torch.nn.Module, groups: SequenceParallelGroups, key: str, kernel_name: str) -> None:
         self.model, self.groups, self.key, self.kernel_name = model, groups, key, kernel_name
         self.context: SequenceContext | None = None
+        self._forward_takes_kwargs = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
+        )
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -66,6 +71,10 @@ class SequenceParallelHandle:
             )
         check_shard_consistency(position_ids, signature, self.groups)
         self.context = SequenceContext(all_gather_sequence(position_ids.long(), self.groups.sp_group))
+        # Also ride along the forward's kwargs: activation checkpointing replays those, so a layer
+        # recomputed in backward sees its own forward's context even if another forward ran since.
+        if self._forward_takes_kwargs:
+            kwargs[CONTEXT_KWARG] = self.context
         return args, kwargs
 
 
@@ -112,7 +121,8 @@ def enable_sequence_parallel(
     kernels: dict[type, Callable[..., Any]] = {}
 
     def attention(module: torch.nn.Module, query, key_, value, attention_mask, **kwargs):
-        if handle.context is None:
+        context = kwargs.pop(CONTEXT_KWARG, None) or handle.context
+        if context is None:
             raise ValueError("No sequence context: the model must be called through its top-level forward.")
         kernel = kernels.get(type(module))
         if kernel is None:
@@ -125,7 +135,7 @@ def enable_sequence_parallel(
             kernel=kernel,
             kernel_name=kernel_name,
             family=family,
-            context=handle.context,
+            context=context,
             groups=groups,
             **kwargs,
         )
@@ -147,7 +157,9 @@ def enable_sequence_parallel(
     except Exception:
         handle.remove()
         raise
-    logger.info("hf_longctx: %s attention over %d ranks (kernel %s, key %s)", backend, groups.sp_world_size, kernel_name, key)
+    logger.info(
+        "hf_longctx: %s attention over %d ranks (kernel %s, key %s)", backend, groups.sp_world_size, kernel_name, key
+    )
     return handle
 
 

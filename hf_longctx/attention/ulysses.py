@@ -56,7 +56,9 @@ def head_layout(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     """
     check_heads(num_heads, sp_size)
     if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads}).")
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})."
+        )
     q_local, group = num_heads // sp_size, num_heads // num_kv_heads
     if num_kv_heads % sp_size == 0:
         # Every rank gets its own contiguous block of kv heads: no copy needed.

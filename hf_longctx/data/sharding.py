@@ -133,11 +133,15 @@ def prepare_global_batch(
     mask = batch.get("attention_mask")
     if mask is not None:
         check_right_padding(mask)
+    device = batch["input_ids" if "input_ids" in batch else "inputs_embeds"].device
     pos = batch.get("position_ids")
-    if pos is None and batch.get("cu_seq_lens_q") is not None and bs == 1:
-        pos = position_ids_from_cu_seqlens(batch["cu_seq_lens_q"].cpu(), sl)
+    if pos is None and batch.get("cu_seq_lens_q") is not None:
+        if bs != 1:
+            raise ValueError(
+                f"cu_seq_lens_q describes one padding-free row, but the batch has {bs} rows; pass position_ids."
+            )
+        pos = position_ids_from_cu_seqlens(batch["cu_seq_lens_q"].cpu(), sl).to(device)
     if pos is None:
-        device = batch["input_ids" if "input_ids" in batch else "inputs_embeds"].device
         pos = torch.arange(sl, dtype=torch.long, device=device).expand(bs, sl)
     pos = pos.to(torch.long).expand(bs, sl)
     out["position_ids"] = pos
@@ -161,7 +165,7 @@ def shard_tensor(x: torch.Tensor, sp_rank: int, sp_world_size: int, dim: int = 1
     if size % sp_world_size != 0:
         raise ValueError(f"Sequence length {size} is not divisible by sp_world_size={sp_world_size}.")
     chunk = size // sp_world_size
-    return x.narrow(dim, sp_rank * chunk, chunk).contiguous()
+    return x.narrow(dim, sp_rank * chunk, chunk).clone(memory_format=torch.contiguous_format)
 
 
 def shard_batch_for_rank(

@@ -240,6 +240,7 @@ def test_rank_out_of_range_raises(rank):
 @pytest.mark.parametrize(
     ("world", "position_ids"),
     [(1, None), (2, None), (3, None), (2, t([[0, 1, 2, 0, 1, 2]])), (4, t([[0, 1, 2, 0, 1, 2]]))],
+    ids=["sp1", "sp2", "sp3", "sp2-packed", "sp4-packed-padded"],
 )
 def test_shards_are_contiguous_copies(world, position_ids):
     batch = {
