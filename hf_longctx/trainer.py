@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,11 +86,13 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
         ValueError: the process group and accelerate disagree on the world size (the CPU
             `use_cpu` trap) or `sp_size` does not divide the world.
     """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _env_world_size()
+    if launched != accelerator.num_processes:
         raise ValueError(
-            f"torch.distributed has {dist.get_world_size()} ranks but accelerate sees {accelerator.num_processes} "
-            "process(es), so data would be duplicated and gradients never averaged. On CPU pass use_cpu=True to "
-            "TrainingArguments/SFTConfig (or launch with `accelerate launch --cpu`)."
+            f"The job has {launched} ranks but accelerate sees {accelerator.num_processes} process(es), so data "
+            "would be duplicated and gradients never averaged. On CPU pass use_cpu=True to TrainingArguments/"
+            "SFTConfig; with DeepSpeed on CPU create `PartialState(backend='gloo')` first and pass "
+            "accelerator_config={'use_configured_state': True}."
         )
     validate_sp_size(config.sp_size, accelerator.num_processes)
     if config.sp_size == 1:
@@ -105,6 +108,10 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
         config.sp_backend,
     )
     return state
+
+
+def _env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _wrap_accelerator(accelerator: Any, state: SequenceParallelState) -> None:
