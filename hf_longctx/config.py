@@ -68,6 +68,12 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         from .trainer import _sp_hidden, attach
 
         with _sp_hidden(self):
+            if accelerator.is_fsdp2 and self.dp_shard_size == 1 and self.dp_replicate_size == 1:
+                # FSDP2 shards parameters over every rank (SP ranks included): give accelerate its
+                # usual dp_shard mesh axis over the whole world, built now that the size is known.
+                self._set_size("dp_shard", accelerator.num_processes)
+                self.device_mesh = None
+                accelerator.state.device_mesh = self.get_device_mesh(accelerator.device.type)
             super()._validate_accelerator(accelerator)
         attach(self, accelerator)
 

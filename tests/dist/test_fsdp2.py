@@ -1,0 +1,64 @@
+"""FSDP2 (`fully_shard`) as the data-parallel engine under hf_longctx SP, on CPU gloo.
+
+accelerate only switches to FSDP on GPUs, so this drives `fully_shard` directly (UPSTREAM.md section 6):
+the reduce-scatter averages gradients over all ranks, which with `sequence_parallel_loss` must give the
+single-device gradients. The accelerate FSDP2 route is exercised on a GPU when one is lent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests._dist import run_distributed
+
+STEPS = 3
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 128, (1, 45), generator=g) for _ in range(STEPS)]
+
+
+def _train(rank: int, world_size: int) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hf_longctx
+    from hf_longctx.data.sharding import shard_batch_for_rank
+    from tests._models import tiny_model
+
+    model = tiny_model("llama", num_heads=4, num_kv_heads=2)
+    sp = world_size > 1
+    groups = hf_longctx.SequenceParallelGroups.build(world_size) if sp else hf_longctx.SequenceParallelGroups.single()
+    if sp:
+        hf_longctx.enable_sequence_parallel(model, groups)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    out = []
+    for ids in _batches():
+        batch = {"input_ids": ids, "labels": ids}
+        shard = hf_longctx.shard_batch(batch, groups) if sp else shard_batch_for_rank(batch, 0, 1)
+        shift_labels = shard.pop("shift_labels")
+        loss = hf_longctx.sequence_parallel_loss(model(**shard).logits, shift_labels, groups)
+        loss.backward()
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for n, p in model.named_parameters()
+        }
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append((loss.item(), grads))
+    return out
+
+
+def test_fully_shard_sp2_matches_single_process():
+    reference = run_distributed(_train, 1, timeout=120)[0]
+    sp = run_distributed(_train, 2, timeout=180)[0]
+    for (loss, grads), (ref_loss, ref_grads) in zip(sp, reference, strict=True):
+        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+        for name, ref in ref_grads.items():
+            err = (grads[name] - ref).abs().max() / ref.abs().max()
+            assert err <= 1e-5, f"{name}: relative gradient error {err:.2e}"
