@@ -147,11 +147,20 @@ def load_config(model: str) -> Any:
 
 
 def head_counts(config: Any) -> tuple[int, int]:
-    """`(num_attention_heads, num_key_value_heads)` of a (text) config; kv defaults to the query heads."""
+    """`(num_attention_heads, num_key_value_heads)` of a (text) config; kv defaults to the query heads.
+
+    Raises:
+        ValueError: the config declares no attention heads (Ulysses splits attention heads).
+    """
     text = config.get_text_config()
-    heads = int(text.num_attention_heads)
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(
+            f"{type(config).__name__} has no num_attention_heads: Ulysses sequence parallelism splits "
+            "attention heads, so this architecture cannot be checked."
+        )
     kv = getattr(text, "num_key_value_heads", None)
-    return heads, int(kv) if kv else heads
+    return int(heads), int(kv) if kv else int(heads)
 
 
 def shrink_config(config: Any, *, layers: int, hidden: int, min_positions: int, attn: str) -> tuple[Any, list[str]]:
@@ -224,7 +233,15 @@ def build_model(config_dir: str | Path, attn: str, seed: int) -> torch.nn.Module
 
     config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        raise ValueError(
+            f"{type(config).__name__} (model_type {config.model_type!r}) has no causal-LM class in "
+            "transformers (AutoModelForCausalLM); hf-longctx check supports decoder-only causal LMs."
+        ) from None
     return model.float().train()
 
 
@@ -631,7 +648,9 @@ def _module_main(argv: list[str] | None = None) -> int:
     """`python -m hf_longctx.check`: the torchrun worker (`--worker SPEC`) or the check itself."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--worker":
-        worker_main(argv[1])
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(worker_main)(argv[1])  # a worker's traceback then heads torchrun's failure summary
         return 0
     parser = argparse.ArgumentParser(prog="python -m hf_longctx.check", description=__doc__)
     add_arguments(parser)

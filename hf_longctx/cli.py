@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser(
         "demo",
         help="custom-loop demo: torchrun -m hf_longctx.demo (extra options go to the demo)",
-        description="Run `torchrun --standalone --nproc_per_node N -m hf_longctx.demo [options]`.",
+        description=(
+            "Run `torchrun --standalone --nproc_per_node N -m hf_longctx.demo [options]`; every option "
+            "other than --nproc goes to the demo (see `python -m hf_longctx.demo --help`)."
+        ),
     )
     demo_parser.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
     return parser

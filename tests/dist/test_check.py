@@ -1,0 +1,131 @@
+"""`hf-longctx check` end to end: PASS for tiny Llama and Qwen3 configs at SP=2, clear failures otherwise.
+
+Every PASS/FAIL case launches torchrun with 2 gloo ranks (~15 s on a 2-core machine); invalid input
+must be refused before anything is launched. The configs are written to `tmp_path` (config only).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, Qwen3Config
+
+import hf_longctx.check
+from hf_longctx.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 180
+
+
+def write_config(tmp_path: Path, config) -> Path:
+    """Save only the config (no weights) and return its folder."""
+    folder = tmp_path / config.model_type
+    config.save_pretrained(folder)
+    return folder
+
+
+def llama_config(**overrides) -> LlamaConfig:
+    kwargs = dict(
+        vocab_size=1000,  # > 512: the check caps it
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=999,  # out of the capped range: must be dropped, not crash
+    )
+    return LlamaConfig(**{**kwargs, **overrides})
+
+
+def run_check(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(["check", *argv, "--timeout", str(TIMEOUT_S)])
+    return code, capsys.readouterr().out
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain `text` (Linux /proc; empty elsewhere)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            data = cmdline.read_bytes()
+        except OSError:
+            continue
+        if text.encode() in data:
+            found.append(data.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+def test_llama_sp2_passes(tmp_path, capsys):
+    code, out = run_check(capsys, "--model", str(write_config(tmp_path, llama_config())), "--sp", "2")
+    assert code == 0, out
+    assert out.strip().splitlines()[-1].startswith("PASS: SP=2 matches SP=1 for LlamaForCausalLM"), out
+    assert "vocab 1000 -> 512" in out
+    assert "valid labels per SP rank: [0, " in out  # rank 0's shard has no valid label
+
+
+def test_qwen3_packed_eager_shrunk_sp2_passes(tmp_path, capsys):
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    config_file = write_config(tmp_path, config) / "config.json"
+    argv = ["--model", str(config_file), "--sp", "2", "--packed", "--attn", "eager", "--hidden", "64"]
+    code, out = run_check(capsys, *argv)
+    assert code == 0, out
+    assert "hidden 128 -> 64 (head_dim 16)" in out
+    assert "packed: 3 docs/row" in out
+    assert out.strip().splitlines()[-1].startswith("PASS: SP=2 matches SP=1 for Qwen3ForCausalLM"), out
+
+
+def test_heads_not_divisible_exits_2_without_launching(tmp_path, capsys, monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("nothing may be launched for invalid input")
+
+    monkeypatch.setattr(hf_longctx.check.subprocess, "Popen", no_launch)
+    config = llama_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=16)
+    code, out = run_check(capsys, "--model", str(write_config(tmp_path, config)), "--sp", "2")
+    assert code == 2, out
+    assert "num_attention_heads (3) divisible by sp_size (2)" in out
+    assert "valid sp_size values for this model: [1, 3]" in out
+
+    code, out = run_check(capsys, "--model", str(tmp_path / "nowhere"), "--sp", "2")
+    assert code == 2 and "no config.json there" in out, out
+
+
+def test_injected_fault_fails_and_names_the_worst_parameters(tmp_path):
+    """Self-test of the checker, through the real command line: broken SP must be reported."""
+    model = write_config(tmp_path, llama_config())
+    cmd = [sys.executable, "-m", "hf_longctx.cli", "check", "--model", str(model), "--sp", "2"]
+    cmd += ["--inject-fault", "skip-positions"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("FAIL: SP=2 is not exact for LlamaForCausalLM: loss relative difference"), out
+    assert "gradients differ by more than 1e-04 (worst" in last
+    worst = out.split("max|g_sp - g_ref| / max|g_ref|:")[1].strip().splitlines()[:5]
+    assert len(worst) == 5 and all(line.split()[1].startswith(("model.", "lm_head.")) for line in worst), out
+
+
+def test_timeout_kills_the_run_and_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the check's temp dir, hence workers' argv
+    model = write_config(tmp_path, llama_config())
+    code = main(["check", "--model", str(model), "--sp", "2", "--timeout", "2"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert out.strip().splitlines()[-1].startswith("FAIL: timed out"), out
+    assert processes_mentioning(str(tmp_path)) == []
