@@ -9,13 +9,18 @@ lengths and padding per row), never from `hf_longctx`. Workers run in spawned gl
 from __future__ import annotations
 
 import math
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_longctx
+from hf_longctx.attention.registry import _HANDLE_ATTR
+from hf_longctx.data.sharding import prepare_global_batch
 from tests._models import tiny_model
 
 IGNORE = -100
@@ -93,7 +98,7 @@ def _layout(rows: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Te
             for i in range(n):
                 pos[b, t], doc[b, t], valid[b, t] = i, d, True
                 t += 1
-        for i in range(seq_len - t):  # padding continues the row's positions
+        for _ in range(seq_len - t):  # padding continues the row's positions
             pos[b, t] = pos[b, t - 1] + 1 if t else 0
             t += 1
     return pos, doc, valid
@@ -163,14 +168,12 @@ def document_causal_mask(case: Case) -> torch.Tensor:
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
 
 
-def reference_loss_and_grads(
-    model: torch.nn.Module, case: Case
-) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
+def reference_loss_and_grads(model: torch.nn.Module, case: Case) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
     """The unsharded run: explicit document-causal mask, mean CE over the hand-built shift labels."""
     model.zero_grad(set_to_none=True)
-    logits = model(
-        input_ids=case.batch["input_ids"], position_ids=case.position_ids, attention_mask=document_causal_mask(case)
-    ).logits
+    mask = document_causal_mask(case)
+    ids = case.batch["input_ids"]
+    logits = model(input_ids=ids, position_ids=case.position_ids, attention_mask=mask).logits
     loss = F.cross_entropy(logits.flatten(0, 1), case.shift_labels.flatten(), ignore_index=IGNORE)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -269,40 +272,30 @@ def _full_forward(model, batch) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
 
 
-def features_worker(rank: int, world_size: int) -> dict:
-    """Isolation, lifecycle, two SP models, gradient checkpointing and `num_items_in_batch` at SP=2."""
-    from hf_longctx.attention.registry import _HANDLE_ATTR
-    from hf_longctx.data.sharding import prepare_global_batch
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _registry_keys() -> tuple[list[str], list[str]]:
+    return sorted(ALL_ATTENTION_FUNCTIONS.keys()), sorted(ALL_MASK_ATTENTION_FUNCTIONS.keys())
 
-    def registry_keys() -> tuple[list[str], list[str]]:
-        return sorted(ALL_ATTENTION_FUNCTIONS.keys()), sorted(ALL_MASK_ATTENTION_FUNCTIONS.keys())
 
-    groups = hf_longctx.SequenceParallelGroups.build(world_size)
-    out: dict = {}
-    full = make_case("padded_bs2").batch
-    packed = make_case("packed3").batch
-
-    # 1. Another model of the same class is untouched while SP is on; remove() restores exactly.
-    first = ISOLATION_SPEC.build()
-    other = ISOLATION_SPEC.build(seed=1)
-    keys_before = registry_keys()
+def _isolation(groups) -> dict:
+    """Another model of the same class is untouched while SP is on; remove() restores exactly."""
+    full, packed = make_case("padded_bs2").batch, make_case("packed3").batch
+    first, other = ISOLATION_SPEC.build(), ISOLATION_SPEC.build(seed=1)
+    keys_before = _registry_keys()
     first_pre, other_pre = _full_forward(first, full), _full_forward(other, full)
     handle = hf_longctx.enable_sequence_parallel(first, groups)
     loss, _ = _sp_step(first, packed, groups)
-    iso = {
+    out = {
         "sp_loss": loss.item(),
         "sp_grads": _averaged_grads(first, groups),
         "other_during": _full_forward(other, full),
         "other_attn_during": other.config._attn_implementation,
         "first_attn_during": first.config._attn_implementation,
         "handle_key": handle.key,
-        "keys_during": registry_keys(),
+        "keys_during": _registry_keys(),
     }
     handle.remove()
     handle.remove()  # idempotent
-    iso.update(
+    out.update(
         first_pre=first_pre,
         other_pre=other_pre,
         first_post=_full_forward(first, full),
@@ -312,13 +305,18 @@ def features_worker(rank: int, world_size: int) -> dict:
         has_handle_attr_after=hasattr(first, _HANDLE_ATTR),
         forward_pre_hooks_after=len(first._forward_pre_hooks),
         keys_before=keys_before,
-        keys_after=registry_keys(),
+        keys_after=_registry_keys(),
     )
-    out["isolation"] = iso
+    return out
 
-    # 2. Two models with SP at once, calls interleaved: each uses its own key and context.
+
+def _two_models(groups) -> dict:
+    """Two models with SP at once, calls interleaved: each uses its own key and context."""
+    packed = make_case("packed3").batch
+    keys_before = _registry_keys()
     a, c = ISOLATION_SPEC.build(), SECOND_SPEC.build()
-    with hf_longctx.enable_sequence_parallel(a, groups) as ha, hf_longctx.enable_sequence_parallel(c, groups) as hc:
+    enable = hf_longctx.enable_sequence_parallel
+    with enable(a, groups) as ha, enable(c, groups) as hc:
         shard = hf_longctx.shard_batch(packed, groups)
         shift_labels = shard.pop("shift_labels")
         logits_a = a(**shard).logits
@@ -326,7 +324,7 @@ def features_worker(rank: int, world_size: int) -> dict:
         loss_a = hf_longctx.sequence_parallel_loss(logits_a, shift_labels, groups)
         loss_c = hf_longctx.sequence_parallel_loss(logits_c, shift_labels, groups)
         (loss_a + loss_c).backward()
-        out["two_models"] = {
+        out = {
             "keys": (ha.key, hc.key),
             "attn": (a.config._attn_implementation, c.config._attn_implementation),
             "loss_a": loss_a.item(),
@@ -334,38 +332,72 @@ def features_worker(rank: int, world_size: int) -> dict:
             "grads_a": _averaged_grads(a, groups),
             "grads_c": _averaged_grads(c, groups),
         }
-    out["two_models"]["keys_after"] = registry_keys()
-    out["two_models"]["keys_before"] = keys_before
+    out.update(keys_before=keys_before, keys_after=_registry_keys())
+    return out
 
-    # 3. Gradient checkpointing (non-reentrant): layers are recomputed in backward, collectives included.
-    ckpt = CHECKPOINT_SPEC.build()
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with hf_longctx.enable_sequence_parallel(ckpt, groups):
-        loss, _ = _sp_step(ckpt, packed, groups)
-        out["checkpointing"] = {
-            "enabled": ckpt.is_gradient_checkpointing,
-            "loss": loss.item(),
-            "grads": _averaged_grads(ckpt, groups),
-        }
 
-    # 4. num_items_in_batch = the global valid-token count (as int and as tensor) changes nothing.
+def _checkpointing(groups, *, forward_in_between: bool) -> dict:
+    """Non-reentrant gradient checkpointing: layers (and their all-to-alls) are recomputed in backward.
+
+    With `forward_in_between`, a no-grad forward on another layout (one document) runs between the
+    packed row's forward and its backward: the recomputed layers must keep their own document mask.
+    """
+    packed = make_case("packed3").batch
+    model = CHECKPOINT_SPEC.build()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with hf_longctx.enable_sequence_parallel(model, groups):
+        shard = hf_longctx.shard_batch(packed, groups)
+        shift_labels = shard.pop("shift_labels")
+        loss = hf_longctx.sequence_parallel_loss(model(**shard).logits, shift_labels, groups)
+        if forward_in_between:
+            other = hf_longctx.shard_batch(make_case("seq37").batch, groups)
+            other.pop("shift_labels")
+            with torch.no_grad():
+                model(**other)
+        loss.backward()
+        grads = _averaged_grads(model, groups)
+    return {"enabled": model.is_gradient_checkpointing, "loss": loss.item(), "grads": grads}
+
+
+def _num_items(groups) -> dict:
+    """num_items_in_batch = the global valid-token count (as int and as tensor) changes nothing."""
     batch = make_case("completion_only").batch
     count = int((prepare_global_batch(batch, 1)[0]["shift_labels"] != IGNORE).sum())
     model = ISOLATION_SPEC.build()
+    out: dict = {"count": count}
     with hf_longctx.enable_sequence_parallel(model, groups):
-        default, _ = _sp_step(model, batch, groups)
-        default_grads = _averaged_grads(model, groups)
-        as_int, _ = _sp_step(model, batch, groups, num_items_in_batch=count)
-        int_grads = _averaged_grads(model, groups)
-        as_tensor, _ = _sp_step(model, batch, groups, num_items_in_batch=torch.tensor(count))
-        tensor_grads = _averaged_grads(model, groups)
-    out["num_items"] = {
-        "count": count,
-        "default": default.item(),
-        "int": as_int.item(),
-        "tensor": as_tensor.item(),
-        "default_grads": default_grads,
-        "int_grads": int_grads,
-        "tensor_grads": tensor_grads,
-    }
+        for name, kwargs in (
+            ("default", {}),
+            ("int", {"num_items_in_batch": count}),
+            ("tensor", {"num_items_in_batch": torch.tensor(count)}),
+        ):
+            loss, _ = _sp_step(model, batch, groups, **kwargs)
+            out[name] = loss.item()
+            out[f"{name}_grads"] = _averaged_grads(model, groups)
+    return out
+
+
+FEATURES = {
+    "isolation": _isolation,
+    "two_models": _two_models,
+    "checkpointing": lambda groups: _checkpointing(groups, forward_in_between=False),
+    "checkpointing_interleaved": lambda groups: _checkpointing(groups, forward_in_between=True),
+    "num_items": _num_items,
+}
+
+
+def features_worker(rank: int, world_size: int) -> dict:
+    """Each world-2 feature check; one that raises is reported (with its traceback) on its own.
+
+    Every check runs the same collectives on both ranks, so an exception is raised symmetrically and
+    the next check starts in step.
+    """
+    groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    out: dict = {}
+    for name, check in FEATURES.items():
+        try:
+            out[name] = check(groups)
+        except Exception:  # noqa: BLE001 - returned to the parent, which fails that one test
+            out[name] = {"error": traceback.format_exc()}
+        dist.barrier()
     return out
