@@ -144,9 +144,7 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float, name: 
                 errors.append(payload)
         if errors:
             _kill_all(procs)
-            raise RuntimeError(
-                f"run_distributed({name}, world_size={world_size}) failed:\n\n" + "\n\n".join(errors)
-            )
+            raise RuntimeError(f"run_distributed({name}, world_size={world_size}) failed:\n\n" + "\n\n".join(errors))
     return [results[rank] for rank in range(world_size)]
 
 
