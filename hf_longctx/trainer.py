@@ -11,6 +11,7 @@ class-level Trainer patches below, which act only when the trainer's accelerator
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -21,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from .attention.registry import SequenceParallelHandle, enable_sequence_parallel
+from .comm import all_reduce_sum
 from .data.collator import SequenceShardingCollator
 from .data.sharding import IGNORE_INDEX
 from .groups import SequenceParallelGroups, validate_sp_size
+from .metrics import gather_for_metrics
 from .patching import Patch
 
 logger = logging.getLogger(__name__)
@@ -136,7 +139,10 @@ def _wrap_accelerator(accelerator: Any, state: SequenceParallelState) -> None:
     accelerator.prepare = prepare_sp
     accelerator.prepare_model = prepare_model_sp
     accelerator.prepare_data_loader = prepare_data_loader_sp
-    state.wrapped += ["prepare", "prepare_model", "prepare_data_loader"]
+    accelerator.gather_for_metrics = functools.partial(
+        gather_for_metrics, accelerator, state.groups, accelerator.gather_for_metrics
+    )
+    state.wrapped += ["prepare", "prepare_model", "prepare_data_loader", "gather_for_metrics"]
 
 
 def _prepare_data_loader(
@@ -233,18 +239,46 @@ def _check_trainer_settings(trainer: Any) -> None:
 
 def _prediction_step(original):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        loss, logits, labels = original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         state = sp_state(self)
-        if state is None or loss is None or "shift_labels" not in inputs:
+        if state is None:
+            return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        with _observe_num_items(self) as seen:
+            loss, logits, labels = original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if loss is None or "shift_labels" not in inputs:
             return loss, logits, labels
-        # Each rank's eval loss is its shard's token mean; make it the SP group's token mean.
+        # Return this rank's share of its DP rank's loss: our gather_for_metrics sums the SP group.
+        if seen.get("num_items") is not None and self.args.average_tokens_across_devices:
+            # compute_loss returned world * (shard sum) / (global count): every rank is an equal share.
+            return loss / state.groups.sp_world_size, logits, labels
+        # compute_loss returned the shard's token mean: weight it by the shard's share of the tokens.
         count = (inputs["shift_labels"] != IGNORE_INDEX).sum().to(loss.device, torch.float64)
-        local_sum = torch.where(count > 0, loss.detach().to(torch.float64) * count, 0.0)
-        totals = torch.stack([local_sum, count])
-        dist.all_reduce(totals, group=state.groups.sp_group)
-        return (totals[0] / totals[1].clamp(min=1)).to(loss.dtype), logits, labels
+        total = all_reduce_sum(count, state.groups.sp_group)
+        share = torch.where(count > 0, loss.detach().to(torch.float64) * count, 0.0) / total.clamp(min=1)
+        return share.to(loss.dtype), logits, labels
 
     return prediction_step
+
+
+@contextlib.contextmanager
+def _observe_num_items(trainer: Any) -> Iterator[dict[str, Any]]:
+    """Record the `num_items_in_batch` that `prediction_step` hands to `compute_loss` (transformers 5.x
+    passes the global count; TRL's override passes none), which decides what the returned loss means."""
+    seen: dict[str, Any] = {}
+    previous = trainer.__dict__.get("compute_loss")
+    compute_loss = trainer.compute_loss
+
+    def recording(*args: Any, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        seen["num_items"] = num_items_in_batch
+        return compute_loss(*args, num_items_in_batch=num_items_in_batch, **kwargs)
+
+    trainer.compute_loss = recording
+    try:
+        yield seen
+    finally:
+        if previous is None:
+            del trainer.compute_loss
+        else:
+            trainer.compute_loss = previous
 
 
 _TRAINER_PATCHES: dict[tuple[type, str], Patch] = {}

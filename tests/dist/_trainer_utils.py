@@ -1,0 +1,388 @@
+"""Shared pieces of the `Trainer` / `SFTTrainer` SP tests: tiny datasets, a recording collator, a WordLevel
+tokenizer, and the worker functions that `run_distributed` spawns.
+
+One spawn runs several named configurations in a row (spawning and importing transformers costs far more
+than a few steps of a tiny model) and returns, per configuration, the logged metrics plus what only the rank
+can see: row ids it collated, local sequence lengths and valid labels per forward, the attention backend.
+`compare_logs` is the one tolerance check the tests use.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from tests._dist import run_distributed
+from tests._models import tiny_model
+
+IGNORE = -100
+VOCAB = 128
+BATCH = 2
+LR = {"sgd": 0.1, "adamw_torch": 1e-2}
+
+# ---- data ----------------------------------------------------------------------------------------
+
+
+def make_rows(kind: str, n: int, seed: int = 3) -> list[dict[str, Any]]:
+    """`n` rows `{"input_ids", "labels", "row"}` of random tokens in [1, VOCAB) and varying lengths.
+
+    kind:
+        "mixed": lengths 20..40, every third row completion-only (labels on its last 3 tokens).
+        "tail2": lengths 24..33, labels on the last 2 tokens only: in any right-padded batch every valid
+            shift label lies past the middle, so SP rank 0's shard never holds one.
+        "eval": lengths 9..31 cycling through full labels, the last 2 tokens only (rank 1 gets them) and the
+            first 3 tokens only (rank 0 gets them): valid-token counts differ per shard and per batch.
+    """
+    lo, hi = {"mixed": (20, 40), "tail2": (24, 33), "eval": (9, 31)}[kind]
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        ids = torch.randint(1, VOCAB, (length,), generator=gen).tolist()
+        labels = list(ids)
+        if (kind == "mixed" and i % 3 == 0) or (kind == "eval" and i % 3 == 1):
+            keep = 3 if kind == "mixed" else 2
+            labels[: length - keep] = [IGNORE] * (length - keep)
+        elif kind == "tail2":
+            labels[: length - 2] = [IGNORE] * (length - 2)
+        elif kind == "eval" and i % 3 == 2:
+            labels[3:] = [IGNORE] * (length - 3)
+        rows.append({"input_ids": ids, "labels": labels, "row": i})
+    return rows
+
+
+def dataset(kind: str, n: int):
+    import datasets
+
+    return datasets.Dataset.from_list(make_rows(kind, n))
+
+
+class RecordingCollator:
+    """Right-pads `input_ids`/`labels`/`attention_mask`, drops the `row` id column and records it.
+
+    hf_longctx wraps this collator (it shards after collation), so `rows` and `lengths` describe the full,
+    unsharded batches this rank collated, in order.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+        self.lengths: list[int] = []
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        length = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), length, dtype=torch.long)
+        labels = torch.full_like(ids, IGNORE)
+        mask = torch.zeros_like(ids)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            ids[i, :n] = torch.tensor(f["input_ids"])
+            labels[i, :n] = torch.tensor(f["labels"])
+            mask[i, :n] = 1
+        self.rows.append([int(f["row"]) for f in features])
+        self.lengths.append(length)
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    def take(self) -> dict[str, list]:
+        """Return and clear what was recorded."""
+        out = {"rows": self.rows, "lengths": self.lengths}
+        self.rows, self.lengths = [], []
+        return out
+
+
+class ForwardRecorder:
+    """Forward pre-hook: the sequence length and the valid-label count of every batch the model sees."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seq_lens: list[int] = []
+        self.valid_labels: list[int | None] = []
+        model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self.seq_lens.append(int(ids.shape[1]))
+        labels = kwargs.get("labels")
+        self.valid_labels.append(None if labels is None else int((labels != IGNORE).sum()))
+
+    def take(self) -> dict[str, list]:
+        out = {"seq_lens": self.seq_lens, "valid_labels": self.valid_labels}
+        self.seq_lens, self.valid_labels = [], []
+        return out
+
+
+def tiny_tokenizer():
+    """WordLevel tokenizer over "t0".."t127" (pad t0, unk t1, eos t2): token id i is the word "t{i}"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1")
+
+
+def sft_dataset(kind: str, n: int, seed: int = 5):
+    """Token-id rows for SFTTrainer (already processed: TRL skips tokenization).
+
+    kind:
+        "plain": `input_ids` only, lengths 8..29.
+        "completion": `input_ids` + `completion_mask` (1 on the completion), lengths 16..29; the completion is
+            the last 2..4 tokens of most rows (valid labels only near the end: the SP shards' label counts
+            differ a lot) and more than half of every fourth row.
+    """
+    import datasets
+
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = {"plain": (8, 29), "completion": (16, 29)}[kind]
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        row = {"input_ids": torch.randint(3, VOCAB, (length,), generator=gen).tolist()}
+        if kind == "completion":
+            completion = length // 2 + 2 if i % 4 == 3 else 2 + i % 3
+            row["completion_mask"] = [0] * (length - completion) + [1] * completion
+        rows.append(row)
+    return datasets.Dataset.from_list(rows)
+
+
+# ---- Trainer runs --------------------------------------------------------------------------------
+
+
+def _parallelism(sp: int):
+    import hf_longctx
+
+    return hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
+
+
+def _logs(trainer: Any, keys: tuple[str, ...]) -> list[dict[str, float]]:
+    """One dict per logged training step: `step` plus whichever of `keys` were logged."""
+    return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in trainer.state.log_history if "loss" in h]
+
+
+def run_trainer(
+    out_dir: str,
+    *,
+    sp: int = 1,
+    optim: str = "sgd",
+    steps: int = 5,
+    epochs: float | None = None,
+    ga: int = 1,
+    data: tuple[str, int] = ("mixed", 24),
+    scheduler: str = "constant",
+    eval_data: tuple[tuple[str, int], ...] = (),
+    save_steps: int | None = None,
+    resume_from: str | None = None,
+) -> dict[str, Any]:
+    """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
+
+    SGD runs without clipping (max_grad_norm=0: grad_norm is still logged), AdamW clips at 1.0.
+    `epochs` set means an epoch-based run (max_steps unset). `resume_from` is a checkpoint directory.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_model("llama")
+    forwards = ForwardRecorder(model)
+    collator = RecordingCollator()
+    args = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        seed=1,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        gradient_accumulation_steps=ga,
+        max_steps=-1 if epochs is not None else steps,
+        num_train_epochs=epochs if epochs is not None else 1.0,
+        optim=optim,
+        learning_rate=LR[optim],
+        max_grad_norm=0.0 if optim == "sgd" else 1.0,
+        lr_scheduler_type=scheduler,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        remove_unused_columns=False,
+        parallelism_config=_parallelism(sp),
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(*data), data_collator=collator)
+    trainer.train(resume_from_checkpoint=resume_from)
+    result = {
+        "logs": _logs(trainer, ("loss", "grad_norm", "learning_rate", "epoch")),
+        "global_step": trainer.state.global_step,
+        "epoch": trainer.state.epoch,
+        "max_steps": trainer.state.max_steps,
+        "attn": model.config._attn_implementation,
+        **collator.take(),
+        **forwards.take(),
+    }
+    # Keyed by the eval set's size: an odd size leaves a partial last batch.
+    result["eval_loss"] = {n: trainer.evaluate(dataset(kind, n))["eval_loss"] for kind, n in eval_data}
+    return result
+
+
+def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
+    """The ValueError message (None: nothing raised) of each misconfigured Trainer construction."""
+    from transformers import Trainer, TrainingArguments
+
+    cases = {"no_use_cpu": {"use_cpu": False, "sp": 2}, "sp3": {"use_cpu": True, "sp": 3}}
+    messages: dict[str, str | None] = {}
+    for name, case in cases.items():
+        try:
+            args = TrainingArguments(
+                output_dir=os.path.join(out_dir, name),
+                use_cpu=case["use_cpu"],
+                report_to=[],
+                disable_tqdm=True,
+                max_steps=1,
+                remove_unused_columns=False,
+                parallelism_config=_parallelism(case["sp"]),
+            )
+            model, train = tiny_model("llama"), dataset("mixed", 4)
+            Trainer(model=model, args=args, train_dataset=train, data_collator=RecordingCollator())
+        except ValueError as exc:
+            messages[name] = str(exc)
+        else:
+            messages[name] = None
+    return messages
+
+
+def trainer_worker(
+    rank: int, world_size: int, out_dir: str, configs: dict[str, dict[str, Any]], errors: bool = False
+) -> dict[str, Any]:
+    """Run every named `run_trainer` configuration in order (each in `out_dir/name`); then, if `errors`,
+    the misconfigurations. A config's `resume_from` names an earlier config's checkpoint subdirectory,
+    e.g. "resume_full/checkpoint-3".
+    """
+    results: dict[str, Any] = {}
+    for name, config in configs.items():
+        config = dict(config)
+        if config.get("resume_from"):
+            config["resume_from"] = os.path.join(out_dir, config["resume_from"])
+        results[name] = run_trainer(os.path.join(out_dir, name), **config)
+    if errors:
+        results["errors"] = trainer_config_errors(out_dir)
+    return results
+
+
+# ---- SFTTrainer runs -----------------------------------------------------------------------------
+
+SFT_KEYS = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens", "entropy")
+
+
+def run_sft(
+    out_dir: str,
+    *,
+    sp: int = 1,
+    packing: bool = False,
+    doc_exact: bool = False,
+    data: tuple[str, int] = ("plain", 16),
+    completion_only: bool | None = None,
+    eval_data: dict[str, tuple[str, int]] | None = None,
+    steps: int = 4,
+    epochs: float | None = None,
+) -> dict[str, Any]:
+    """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
+
+    `doc_exact` switches the model to hf_longctx attention at SP=1 (one rank, no collectives), which keeps
+    packed documents apart by construction: the packing reference. (transformers 5.24 sdpa does so too, but
+    only while no attention_mask is passed; UPSTREAM.md §6.)
+    `eval_data` maps a name to an eval set, each evaluated after training.
+    """
+    from trl import SFTConfig, SFTTrainer
+
+    import hf_longctx
+
+    model = tiny_model("llama")
+    if doc_exact:
+        hf_longctx.enable_sequence_parallel(model, hf_longctx.SequenceParallelGroups.single())
+    forwards = ForwardRecorder(model)
+    args = SFTConfig(
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        seed=1,
+        bf16=False,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        max_steps=-1 if epochs is not None else steps,
+        num_train_epochs=epochs if epochs is not None else 1.0,
+        optim="sgd",
+        learning_rate=LR["sgd"],
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        packing=packing,
+        max_length=64,
+        completion_only_loss=completion_only,
+        parallelism_config=_parallelism(sp),
+    )
+    eval_sets = {name: sft_dataset(kind, n, seed=11) for name, (kind, n) in (eval_data or {}).items()}
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=sft_dataset(*data),
+        eval_dataset=eval_sets or None,
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.train()
+    result = {
+        "logs": _logs(trainer, SFT_KEYS),
+        "global_step": trainer.state.global_step,
+        "attn": model.config._attn_implementation,
+        **forwards.take(),
+    }
+    # One evaluate() per set: TRL logs its own eval metrics without the set's name.
+    result["eval"] = {}
+    for name in eval_sets:
+        metrics = trainer.evaluate(eval_dataset=name)
+        result["eval"][name] = {key: metrics[f"eval_{key}"] for key in ("loss", "mean_token_accuracy")}
+    return result
+
+
+def sft_worker(rank: int, world_size: int, out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Run every named `run_sft` configuration in order (each in `out_dir/name`)."""
+    return {name: run_sft(os.path.join(out_dir, name), **config) for name, config in configs.items()}
+
+
+# ---- parent side ---------------------------------------------------------------------------------
+
+_spawns: dict[Any, Any] = {}
+
+
+def spawn_once(key: Any, fn: Any, world_size: int, *args: Any, timeout: float) -> list[Any]:
+    """`run_distributed` at most once per session per key; a failure is cached and re-raised each time."""
+    if key not in _spawns:
+        try:
+            _spawns[key] = run_distributed(fn, world_size, *args, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised below for every dependent test
+            _spawns[key] = exc
+    result = _spawns[key]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def rel_diff(value: float, ref: float) -> float:
+    """|value - ref| / |ref| (absolute difference when ref is 0)."""
+    return abs(value - ref) / abs(ref) if ref != 0 else abs(value)
+
+
+def compare_logs(
+    logs: list[dict[str, float]], ref: list[dict[str, float]], keys: tuple[str, ...], rtol: float
+) -> dict[str, float]:
+    """Assert per-step equality within `rtol` of `keys` (every key logged by both); return max rel diff per key."""
+    assert [h["step"] for h in logs] == [h["step"] for h in ref], (logs, ref)
+    worst: dict[str, float] = {}
+    for got, want in zip(logs, ref, strict=True):
+        for key in keys:
+            assert (key in got) == (key in want), (key, got, want)
+            if key not in want:
+                continue
+            assert math.isfinite(got[key]), (key, got)
+            diff = rel_diff(got[key], want[key])
+            assert diff <= rtol, f"step {want['step']} {key}: {got[key]!r} vs {want[key]!r} (rel {diff:.2e})"
+            worst[key] = max(worst.get(key, 0.0), diff)
+    return worst
