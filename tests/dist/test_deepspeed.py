@@ -102,3 +102,4 @@ def test_zero_stage_sp2_matches_single_process(tmp_path, reference, stage):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
         # Upstream ZeRO-1 + SP gives 2x here; exact means the same norm.
         assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm)
+

@@ -175,3 +175,19 @@ def test_import_changes_nothing():
     result = json.loads(proc.stdout)
     for key, before in result["before"].items():
         assert result["after"][key] == before, key
+
+
+def test_deepspeed_backend_keeps_accelerate_behaviour(monkeypatch):
+    from accelerate.parallelism_config import ParallelismConfig as Upstream
+
+    import hf_longctx.trainer
+
+    config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    # accelerate builds no mesh for DeepSpeed SP (DeepSpeed makes its own groups) ...
+    assert config.build_device_mesh("cpu") is None
+    # ... and validation is accelerate's own: hf_longctx attaches nothing to the accelerator.
+    calls = []
+    monkeypatch.setattr(Upstream, "_validate_accelerator", lambda self, acc: calls.append("upstream"))
+    monkeypatch.setattr(hf_longctx.trainer, "attach", lambda *a: calls.append("attach"))
+    config._validate_accelerator(object())
+    assert calls == ["upstream"]
