@@ -218,6 +218,18 @@ def run_trainer(
     }
     # Keyed by the eval set's size: an odd size leaves a partial last batch.
     result["eval_loss"] = {n: trainer.evaluate(dataset(kind, n))["eval_loss"] for kind, n in eval_data}
+    # detach() gives the model back for single-process use: its own attention, no pre-hook.
+    import hf_longctx.trainer
+
+    hf_longctx.trainer.detach(trainer)
+    result["attn_after_detach"] = model.config._attn_implementation
+    result["hooks_after_detach"] = sum(
+        type(getattr(hook, "__self__", None)).__name__ == "SequenceParallelHandle"
+        for hook in model._forward_pre_hooks.values()
+    )
+    result["accelerator_clean"] = not any(
+        k in vars(trainer.accelerator) for k in ("prepare", "prepare_data_loader", "gather_for_metrics")
+    )
     return result
 
 

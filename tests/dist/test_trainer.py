@@ -170,6 +170,8 @@ def test_sp_is_active_inside_the_workers(out_root):
     assert ref["attn"] == "sdpa"
     for result in sp:
         assert result["attn"].startswith("hf_longctx_ulysses"), result["attn"]
+        assert result["attn_after_detach"] == "sdpa" and result["hooks_after_detach"] == 0
+        assert result["accelerator_clean"]
         full_lens = result["lengths"][: len(result["seq_lens"])]
         assert len(result["seq_lens"]) == 5
         assert result["seq_lens"] == [math.ceil(n / 2) for n in full_lens]
