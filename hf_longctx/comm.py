@@ -22,7 +22,7 @@ def _all_to_all_forward(x: torch.Tensor, scatter_dim: int, gather_dim: int, grou
     # [..., ws * c, ...] -> [ws, ..., c, ...]: chunk i (for rank i) becomes contiguous block i.
     send = x.unflatten(scatter_dim, (ws, size // ws)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
-    with timed_collective("all_to_all", send, ws, (ws - 1) / ws):
+    with timed_collective("all_to_all", send, (ws - 1) / ws):
         dist.all_to_all_single(recv, send, group=group)
     # recv[j] came from rank j: put the rank axis right before gather_dim and merge them.
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
@@ -76,7 +76,7 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, dim: i
         return x
     ws = dist.get_world_size(group)
     parts = [torch.empty_like(x) for _ in range(ws)]
-    with timed_collective("all_gather", x, ws, ws - 1):  # each shard reaches ws - 1 ranks
+    with timed_collective("all_gather", x, ws - 1):  # each shard reaches ws - 1 ranks
         dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
@@ -86,6 +86,6 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     out = x.detach().clone()
     if group is not None and dist.get_world_size(group) > 1:
         ws = dist.get_world_size(group)
-        with timed_collective("all_reduce", out, ws, 2 * (ws - 1) / ws):  # ring all-reduce volume
+        with timed_collective("all_reduce", out, 2 * (ws - 1) / ws):  # ring all-reduce volume
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out

@@ -62,7 +62,7 @@ def record_collectives(stats: CollectiveStats | None = None) -> Iterator[Collect
 
 
 @contextlib.contextmanager
-def timed_collective(op: str, tensor: torch.Tensor, world_size: int, share_sent: float) -> Iterator[None]:
+def timed_collective(op: str, tensor: torch.Tensor, share_sent: float) -> Iterator[None]:
     """Time one collective and add `tensor.nbytes * share_sent` bytes to the active recorder, if any.
 
     On CUDA the time is the host-side time unless the caller synchronises; on CPU/gloo it is the wall time.

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..groups import SequenceParallelGroups
+from ..instrument import timed_collective
 from .sharding import shard_batch_for_rank
 
 _SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
@@ -41,7 +42,8 @@ def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
 def _raise_on_mismatch(values: torch.Tensor, fields: tuple[str, ...], groups: SequenceParallelGroups) -> None:
     # One all-gather of a fixed-size tensor: it cannot hang on mismatched shapes.
     everyone = [torch.empty_like(values) for _ in range(groups.sp_world_size)]
-    dist.all_gather(everyone, values, group=groups.sp_group)
+    with timed_collective("all_gather", values, groups.sp_world_size - 1):
+        dist.all_gather(everyone, values, group=groups.sp_group)
     table = torch.stack(everyone).cpu()
     differs = [name for i, name in enumerate(fields) if bool((table[:, i] != table[0, i]).any())]
     if differs:

@@ -1,0 +1,57 @@
+"""Instrumentation pieces that need no process group."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_longctx.instrument import (
+    CollectiveStats,
+    PeakMemorySampler,
+    causal_lm_flops_per_token,
+    record_collectives,
+    timed_collective,
+    ulysses_min_bytes,
+)
+
+
+def test_timed_collective_counts_only_inside_record_collectives():
+    x = torch.zeros(1000, dtype=torch.float32)
+    with timed_collective("all_to_all", x, 0.5):
+        pass  # no recorder: nothing to count, nothing raised
+    with record_collectives() as stats:
+        for _ in range(3):
+            with timed_collective("all_to_all", x, 0.5):
+                pass
+    assert stats.ops["all_to_all"].calls == 3
+    assert stats.ops["all_to_all"].bytes_sent == 3 * 2000
+    assert stats.total_bytes("all_to") == 6000
+    with timed_collective("all_to_all", x, 0.5):
+        pass
+    assert stats.ops["all_to_all"].calls == 3  # the block ended: recording stopped
+
+
+def test_record_collectives_accumulates_into_a_given_stats_object():
+    stats = CollectiveStats()
+    with record_collectives(stats), timed_collective("all_gather", torch.zeros(4, dtype=torch.int64), 1.0):
+        pass
+    assert stats.as_dict()["all_gather"]["bytes_sent"] == 32
+
+
+def test_ulysses_min_bytes_formula():
+    # 8 heads x 32 dims, 8 kv heads, 4096 tokens, SP=2, fp32: (2*256 + 2*256) * 2048 * 1/2 * 4
+    assert ulysses_min_bytes(8, 8, 32, 4096, 2, 4) == (2 * 256 + 2 * 256) * 2048 * 0.5 * 4
+    assert ulysses_min_bytes(8, 8, 32, 4096, 1, 4) == 0
+
+
+def test_causal_flops_grow_linearly_with_sequence_length():
+    base = causal_lm_flops_per_token(1000, 2, 4, 16, 0)
+    assert base == 6000
+    assert causal_lm_flops_per_token(1000, 2, 4, 16, 2048) - base == 3 * 2 * 2 * 2048 * 4 * 16
+
+
+def test_peak_memory_sampler_sees_a_transient_allocation():
+    with PeakMemorySampler() as sampler:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        block.add_(1)
+        del block
+    assert sampler.peak - sampler.start >= 32 * 2**20
