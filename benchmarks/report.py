@@ -1,0 +1,408 @@
+"""Pure functions of the benchmark: theory bytes, medians per run and per cell, ratios, markdown, plots.
+
+Nothing here launches a process; `tests/unit/test_bench_report.py` tests it directly.
+
+Aggregation (documented in benchmarks/README.md):
+
+- one run (one torchrun job) -> `run_summary`: per measured step the slowest rank's step time, median over
+  the measured steps; memory and communication per rank as the median over measured steps, then the worst
+  (max) rank for memory and time, the mean over ranks for bytes;
+- one cell (impl, sp, seq_len) -> `cell_rows`: the median over repeats of each run-level number, and the
+  ratios hf_longctx / upstream, measured bytes / theory, activation memory at SP=P / SP=1.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from hf_longctx.instrument import ulysses_min_bytes
+
+IMPLS = ("hf_longctx", "upstream")
+BASELINE = "none"  # the SP=1 run
+MiB = 2**20
+ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Run-level metrics: (key, how ranks are combined, unit for the table)
+METRICS = (
+    "step_s",
+    "iter_s",
+    "act_bytes",
+    "mem_before",
+    "process_peak_bytes",
+    "a2a_bytes",
+    "a2a_calls",
+    "a2a_s",
+    "a2a_s_min",
+    "a2a_s_max",
+    "hf_a2a_bytes",
+    "other_comm_bytes",
+    "other_comm_s",
+)
+
+
+def theory_bytes_per_step(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    layers: int,
+    seq_len: int,
+    sp: int,
+    elem_bytes: int,
+    recompute: bool = False,
+) -> float:
+    """Ulysses minimum bytes one rank sends per training step: every layer's forward (q, k, v in, output
+    back: `(2*H*d + 2*H_kv*d) * (S/P) * (P-1)/P * bytes`) and its backward (the same volume again); with
+    activation checkpointing (`recompute`) the forward exchange runs a second time in the backward."""
+    passes = 3 if recompute else 2
+    return passes * layers * ulysses_min_bytes(heads, kv_heads, head_dim, seq_len, sp, elem_bytes)
+
+
+def median(values: Iterable[float]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def run_summary(result: dict[str, Any], warmup: int) -> dict[str, float | None]:
+    """Collapse one worker result (`{"ranks": [{"steps": [...], ...}, ...]}`) to run-level numbers.
+
+    The first `warmup` steps of every rank are skipped.
+    """
+    ranks = result["ranks"]
+    measured = [r["steps"][warmup:] for r in ranks]
+    n = min(len(s) for s in measured)
+    if n == 0:
+        raise ValueError(f"no measured steps (warmup={warmup}, steps per rank {[len(r['steps']) for r in ranks]})")
+
+    def per_rank(key: str) -> list[float]:
+        return [median(step[key] for step in steps) for steps in measured]
+
+    def other(steps: list[dict[str, Any]], index: int) -> float:
+        return median(sum(v[index] for v in step.get("other_comm", {}).values()) for step in steps)
+
+    return {
+        # a step ends when its slowest rank ends
+        "step_s": median(max(steps[k]["step_s"] for steps in measured) for k in range(n)),
+        "iter_s": median(max(steps[k]["iter_s"] for steps in measured) for k in range(n)),
+        "act_bytes": max(per_rank("act_bytes")),
+        "mem_before": max(per_rank("mem_before")),
+        "process_peak_bytes": max(r["process_peak_bytes"] for r in ranks),
+        "a2a_bytes": statistics.fmean(per_rank("a2a_bytes")),
+        "a2a_calls": statistics.fmean(per_rank("a2a_calls")),
+        # exposed communication: per rank the time inside all_to_all (mean over ranks); the spread between
+        # ranks is mostly waiting for the slowest rank to arrive (min ~ the exchange itself)
+        "a2a_s": statistics.fmean(per_rank("a2a_s")),
+        "a2a_s_min": min(per_rank("a2a_s")),
+        "a2a_s_max": max(per_rank("a2a_s")),
+        "hf_a2a_bytes": statistics.fmean(per_rank("hf_a2a_bytes")),
+        "other_comm_bytes": statistics.fmean(other(s, 1) for s in measured),
+        "other_comm_s": max(other(s, 2) for s in measured),
+    }
+
+
+def cell_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Group successful runs by (sp, seq_len) and build one row per cell with medians and ratios.
+
+    Each run is `{"spec": {...}, "status": "ok", "summary": run_summary(...)}`; SP=1 baselines
+    (`impl == "none"`) are attached to every cell with the same sequence length (and model).
+    """
+    ok = [r for r in runs if r.get("status") == "ok" and r.get("summary")]
+    by_key: dict[tuple, dict[str, list[dict]]] = {}
+    baselines: dict[tuple, list[dict]] = {}
+    for r in ok:
+        spec = r["spec"]
+        model_name = spec["model"].get("name", "")
+        if spec["impl"] == BASELINE:
+            baselines.setdefault((model_name, spec["seq_len"]), []).append(r["summary"])
+            continue
+        by_key.setdefault((model_name, spec["sp"], spec["seq_len"]), {}).setdefault(spec["impl"], []).append(r)
+
+    def med(summaries: list[dict]) -> dict[str, float | None]:
+        return {m: median(s.get(m) for s in summaries) for m in METRICS}
+
+    rows = []
+    for (model_name, sp, seq_len), impls in sorted(by_key.items()):
+        spec = next(iter(impls.values()))[0]["spec"]
+        m = spec["model"]
+        theory = theory_bytes_per_step(
+            m["heads"],
+            m["kv_heads"],
+            m["head_dim"],
+            m["layers"],
+            seq_len,
+            sp,
+            ELEM_BYTES[spec["dtype"]],
+            recompute=bool(spec.get("gradient_checkpointing")),
+        )
+        row: dict[str, Any] = {"model": model_name, "sp": sp, "seq_len": seq_len, "theory_bytes": theory}
+        for impl in IMPLS:
+            runs_i = impls.get(impl, [])
+            row[impl] = med([r["summary"] for r in runs_i]) if runs_i else None
+            row[f"{impl}_repeats"] = len(runs_i)
+        base = baselines.get((model_name, seq_len))
+        row["sp1"] = med(base) if base else None
+        hf, up, sp1 = row["hf_longctx"] or {}, row["upstream"] or {}, row["sp1"] or {}
+        row["ratio"] = {m_: ratio(hf.get(m_), up.get(m_)) for m_ in METRICS}
+        row["bytes_vs_theory"] = {impl: ratio((row[impl] or {}).get("a2a_bytes"), theory) for impl in IMPLS}
+        row["hf_recorded_vs_theory"] = ratio(hf.get("hf_a2a_bytes"), theory)
+        row["act_vs_sp1"] = {impl: ratio((row[impl] or {}).get("act_bytes"), sp1.get("act_bytes")) for impl in IMPLS}
+        rows.append(row)
+    return rows
+
+
+def baseline_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median SP=1 numbers per (model, seq_len)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r.get("status") == "ok" and r["spec"]["impl"] == BASELINE:
+            groups.setdefault((r["spec"]["model"].get("name", ""), r["spec"]["seq_len"]), []).append(r["summary"])
+    return [
+        {"model": k[0], "seq_len": k[1], "repeats": len(v), **{m: median(s.get(m) for s in v) for m in METRICS}}
+        for k, v in sorted(groups.items())
+    ]
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
+    return "n/a" if x is None else format(x / scale, spec)
+
+
+def _get(row: dict, impl: str, key: str) -> float | None:
+    return (row.get(impl) or {}).get(key)
+
+
+def _seq(s: int) -> str:
+    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
+
+
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def _table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[str]:
+    out = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---:|" * len(columns)]
+    return out + ["| " + " | ".join(fn(r) for _, fn in columns) + " |" for r in rows]
+
+
+def _val(impl: str, key: str, spec: str = ".2f", scale: float = 1.0) -> Callable[[dict[str, Any]], str]:
+    return lambda r: _fmt(_get(r, impl, key), spec, scale)
+
+
+def _share(impl: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: _fmt(ratio(_get(r, impl, "a2a_s"), _get(r, impl, "step_s")), ".1%")
+
+
+def _spread(impl: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: f"{_val(impl, 'a2a_s_min', '.3f')(r)}-{_val(impl, 'a2a_s_max', '.3f')(r)}"
+
+
+CELL: list[Column] = [("SP", lambda r: str(r["sp"])), ("S", lambda r: _seq(r["seq_len"]))]
+TIME_COLUMNS: list[Column] = CELL + [
+    ("hf_longctx", _val("hf_longctx", "step_s")),
+    ("upstream", _val("upstream", "step_s")),
+    ("ratio hf/up", lambda r: _fmt(r["ratio"]["step_s"], ".3f")),
+    ("hf iter", _val("hf_longctx", "iter_s")),
+    ("up iter", _val("upstream", "iter_s")),
+    ("SP=1", _val("sp1", "step_s")),
+]
+MEMORY_COLUMNS: list[Column] = CELL + [
+    ("act hf", _val("hf_longctx", "act_bytes", ".0f", MiB)),
+    ("act up", _val("upstream", "act_bytes", ".0f", MiB)),
+    ("act SP=1", _val("sp1", "act_bytes", ".0f", MiB)),
+    ("hf / SP=1", lambda r: _fmt(r["act_vs_sp1"]["hf_longctx"], ".3f")),
+    ("up / SP=1", lambda r: _fmt(r["act_vs_sp1"]["upstream"], ".3f")),
+    ("hf / up", lambda r: _fmt(r["ratio"]["act_bytes"], ".3f")),
+    ("before-step hf", _val("hf_longctx", "mem_before", ".0f", MiB)),
+    ("before-step up", _val("upstream", "mem_before", ".0f", MiB)),
+    ("process peak hf", _val("hf_longctx", "process_peak_bytes", ".0f", MiB)),
+    ("process peak up", _val("upstream", "process_peak_bytes", ".0f", MiB)),
+    ("process peak SP=1", _val("sp1", "process_peak_bytes", ".0f", MiB)),
+]
+BYTES_COLUMNS: list[Column] = CELL + [
+    ("theory", lambda r: _fmt(r["theory_bytes"], ".2f", MiB)),
+    ("hf_longctx", _val("hf_longctx", "a2a_bytes", ".2f", MiB)),
+    ("hf / theory", lambda r: _fmt(r["bytes_vs_theory"]["hf_longctx"], ".3f")),
+    ("hf (record_collectives)", _val("hf_longctx", "hf_a2a_bytes", ".2f", MiB)),
+    ("upstream", _val("upstream", "a2a_bytes", ".2f", MiB)),
+    ("up / theory", lambda r: _fmt(r["bytes_vs_theory"]["upstream"], ".3f")),
+    ("a2a calls hf", _val("hf_longctx", "a2a_calls", ".0f")),
+    ("a2a calls up", _val("upstream", "a2a_calls", ".0f")),
+]
+COMM_COLUMNS: list[Column] = CELL + [
+    ("a2a time hf", _val("hf_longctx", "a2a_s", ".3f")),
+    ("a2a time up", _val("upstream", "a2a_s", ".3f")),
+    ("ratio hf/up", lambda r: _fmt(r["ratio"]["a2a_s"], ".3f")),
+    ("min-max rank hf", _spread("hf_longctx")),
+    ("min-max rank up", _spread("upstream")),
+    ("a2a share of step hf", _share("hf_longctx")),
+    ("a2a share up", _share("upstream")),
+    ("other coll. MiB hf", _val("hf_longctx", "other_comm_bytes", ".1f", MiB)),
+    ("other coll. MiB up", _val("upstream", "other_comm_bytes", ".1f", MiB)),
+    ("other coll. s hf", _val("hf_longctx", "other_comm_s", ".3f")),
+    ("other coll. s up", _val("upstream", "other_comm_s", ".3f")),
+]
+BASELINE_COLUMNS: list[Column] = [
+    ("S", lambda b: _seq(b["seq_len"])),
+    ("step s", lambda b: _fmt(b["step_s"])),
+    ("act MiB", lambda b: _fmt(b["act_bytes"], ".0f", MiB)),
+    ("before-step MiB", lambda b: _fmt(b["mem_before"], ".0f", MiB)),
+    ("process peak MiB", lambda b: _fmt(b["process_peak_bytes"], ".0f", MiB)),
+]
+SECTIONS = (
+    ("Step time (s)", TIME_COLUMNS),
+    ("Memory per rank (MiB)", MEMORY_COLUMNS),
+    ("all_to_all bytes per rank per step (MiB) vs the Ulysses minimum", BYTES_COLUMNS),
+    ("Exposed communication per step (s) and other collectives", COMM_COLUMNS),
+)
+
+
+def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> str:
+    """The results page: setup, then one table per metric family (medians; ratio = hf_longctx / upstream)."""
+    models = sorted({r["model"] for r in rows} | {b["model"] for b in base})
+    out = [f"# hf_longctx vs upstream DeepSpeed SP: `{meta.get('profile', '?')}` profile ({meta.get('date', '?')})", ""]
+    out += [
+        f"Command: `{str(meta.get('command', '?')).strip()}`  ",
+        f"Total wall time: {_fmt(meta.get('total_wall_s'), '.0f')} s; runs: {meta.get('runs_ok', '?')} ok, "
+        f"{meta.get('runs_failed', 0)} failed; load average at start / end: {meta.get('load_start', '?')} / "
+        f"{meta.get('load_end', '?')} on {meta.get('cpus', '?')} CPUs.  ",
+        f"Versions: {meta.get('versions', {})}.  ",
+        f"Per run: {meta.get('warmup', '?')} warm-up + {meta.get('steps', '?')} measured optimizer steps, batch 1, "
+        f"DeepSpeed ZeRO-{meta.get('zero_stage', 1)}, HF Trainer; {meta.get('repeats', '?')} repeats per cell in "
+        "alternating order (A B, then B A, ...). Model(s): "
+        + "; ".join(f"`{name}` {desc}" for name, desc in meta.get("models", {}).items())
+        + ".",
+        "",
+        "Medians over measured steps and repeats. Step time: slowest rank. Memory: worst rank. "
+        "`act` = peak resident memory during the step minus resident memory at the step's start "
+        "(activations, gradients and temporaries; weights, optimizer state and DeepSpeed buffers exist before "
+        "the step). Bytes: what one rank sends to other ranks in `all_to_all_single` per step; theory = "
+        "2 x layers x `(2*H*d + 2*H_kv*d) * (S/P) * (P-1)/P * bytes` (3 x with activation checkpointing). "
+        "Exposed comm: wall time inside `all_to_all_single` per step, mean over ranks (the Ulysses exchange is "
+        "synchronous: nothing overlaps it; the rank spread is mostly waiting for the slowest rank).",
+        "",
+    ]
+    for model in models:
+        mrows = [r for r in rows if r["model"] == model]
+        mbase = [b for b in base if b["model"] == model]
+        if len(models) > 1:
+            out += [f"## Model `{model}`", ""]
+        for title, columns in SECTIONS:
+            out += [f"### {title}", ""] + _table(columns, mrows) + [""]
+        if mbase:
+            out += ["### SP=1 baseline (one process, no SP)", ""] + _table(BASELINE_COLUMNS, mbase) + [""]
+    failed = meta.get("failures") or []
+    if failed:
+        out += ["### Failed runs", ""] + [f"- {f}" for f in failed] + [""]
+    return "\n".join(out)
+
+
+def headline(rows: Sequence[dict[str, Any]], min_seq: int = 8192) -> dict[str, Any]:
+    """The acceptance numbers: step-time ratio at S >= min_seq, worst bytes/theory per SP, act memory ratios."""
+    out: dict[str, Any] = {"step_ratio_long": {}, "bytes_vs_theory_max": {}, "act_vs_sp1": {}}
+    for r in rows:
+        key = f"{r['model']}/sp{r['sp']}" if r["model"] else f"sp{r['sp']}"
+        if r["seq_len"] >= min_seq:
+            out["step_ratio_long"][f"{key}/S{_seq(r['seq_len'])}"] = r["ratio"]["step_s"]
+        for impl in IMPLS:
+            v = r["bytes_vs_theory"][impl]
+            if v is not None:
+                d = out["bytes_vs_theory_max"].setdefault(impl, {})
+                d[key] = max(d.get(key, 0.0), v)
+        out["act_vs_sp1"][f"{key}/S{_seq(r['seq_len'])}"] = r["act_vs_sp1"]
+    return out
+
+
+_COLORS = {"hf_longctx": "tab:blue", "upstream": "tab:orange"}
+_LINES = ("-", "--", "-.", ":")
+
+
+def _style(impl: str, sp_index: int) -> dict[str, Any]:
+    # hf_longctx: large hollow circles, upstream: small filled squares, so identical curves stay visible
+    marker = {"marker": "o", "markersize": 9, "markerfacecolor": "none"} if impl == "hf_longctx" else {}
+    marker = marker or {"marker": "s", "markersize": 4}
+    return {"color": _COLORS[impl], "linestyle": _LINES[sp_index % len(_LINES)], **marker}
+
+
+def plot(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], prefix: str) -> list[str]:
+    """Write `<prefix>-time.png`, `-memory.png`, `-bytes.png`; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    sps = sorted({r["sp"] for r in rows})
+    models = sorted({r["model"] for r in rows} | {b["model"] for b in base})
+
+    def series(model: str, sp: int, impl: str, key: str, scale: float = 1.0):
+        pts = [
+            (r["seq_len"], _get(r, impl, key))
+            for r in rows
+            if r["model"] == model and r["sp"] == sp and _get(r, impl, key) is not None
+        ]
+        return [p[0] for p in pts], [p[1] / scale for p in pts]
+
+    def finish(ax, ylabel: str, title: str, log_y: bool = True) -> None:
+        ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_xlabel("sequence length S (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        path = f"{prefix}-{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    for name, key, scale, ylabel, title in (
+        ("time", "step_s", 1.0, "step time (s)", "Step time vs sequence length"),
+        ("memory", "act_bytes", MiB, "activation + transient memory per rank (MiB)", "Memory per rank vs S"),
+    ):
+        fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+        for ax, model in zip(axes[0], models, strict=True):
+            for i, sp in enumerate(sps):
+                for impl in IMPLS:
+                    xs, ys = series(model, sp, impl, key, scale)
+                    if xs:
+                        ax.plot(xs, ys, label=f"{impl} SP={sp}", **_style(impl, i))
+            pts = [(b["seq_len"], b[key]) for b in base if b["model"] == model and b.get(key) is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] / scale for p in pts], ":^", color="black", label="SP=1 (no SP)")
+            finish(ax, ylabel, f"{title} ({model})" if len(models) > 1 else title)
+        save(fig, name)
+
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.5 * len(models)), squeeze=False)
+    for (ax_abs, ax_ratio), model in zip(axes, models, strict=True):
+        for i, sp in enumerate(sps):
+            pts = [r for r in rows if r["model"] == model and r["sp"] == sp]
+            xs = [r["seq_len"] for r in pts]
+            ax_abs.plot(xs, [r["theory_bytes"] / MiB for r in pts], color="gray", lw=4, alpha=0.35,
+                        linestyle=_LINES[i % len(_LINES)], label=f"theory SP={sp}")  # fmt: skip
+            for impl in IMPLS:
+                xs_i, ys = series(model, sp, impl, "a2a_bytes", MiB)
+                if xs_i:
+                    ax_abs.plot(xs_i, ys, label=f"{impl} SP={sp}", **_style(impl, i))
+                ratios = [(r["seq_len"], r["bytes_vs_theory"][impl]) for r in pts if r["bytes_vs_theory"][impl]]
+                if ratios:
+                    ax_ratio.plot([p[0] for p in ratios], [p[1] for p in ratios], label=f"{impl} SP={sp}",
+                                  **_style(impl, i))  # fmt: skip
+        ax_ratio.axhline(1.0, color="gray", lw=1)
+        ax_ratio.axhline(1.05, color="red", lw=1, linestyle=":", label="acceptance bound 1.05")
+        ax_ratio.set_ylim(0.9, max(1.15, *(r["bytes_vs_theory"][i] or 0 for r in rows for i in IMPLS)) + 0.05)
+        suffix = f" ({model})" if len(models) > 1 else ""
+        finish(ax_abs, "all_to_all MiB sent per rank per step", "Collective bytes vs Ulysses minimum" + suffix)
+        finish(ax_ratio, "measured / theory", "Measured bytes / theoretical minimum" + suffix, log_y=False)
+    save(fig, "bytes")
+    return paths

@@ -1,0 +1,371 @@
+"""A/B benchmark entry point: hf_longctx Ulysses vs the upstream accelerate/DeepSpeed SP path.
+
+    python -m benchmarks.run                   # CPU profile (gloo, tiny Llama), about 10-15 min on 2 cores
+    python -m benchmarks.run --quick           # smoke grid: SP=2, S=1024, 1 repeat (about a minute)
+    python -m benchmarks.run --profile gpu     # NCCL, bf16, flash_attention_2, Qwen3-4B / Llama-8B shapes
+
+Every measured run is one `torchrun --standalone --nproc_per_node P -m benchmarks.worker --spec JSON --out
+FILE` job with a timeout. Per (SP, S) cell the two implementations run `--repeats` times each in alternating
+order (A B, B A, A B, ...: linear machine drift cancels); SP=1 baselines (one process, no SP, same model,
+data and engine) give the memory reference. Results: `benchmarks/results/<date>-<profile>.{json,md}` and
+`-time.png`, `-memory.png`, `-bytes.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Tiny random-init Llama for CPU: 4 query / 4 key-value heads (both divide SP = 2 and 4, so the theory
+# formula applies without KV replication), head_dim 32, 2 layers. Small enough that the whole CPU grid,
+# including S = 16K, fits the 15-minute budget on 2 cores (see benchmarks/README.md).
+CPU_MODEL = {
+    "name": "tiny-llama",
+    "arch": "llama",
+    "vocab": 2048,
+    "hidden": 128,
+    "intermediate": 256,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 4,
+    "head_dim": 32,
+}
+GPU_MODELS = {
+    # Qwen3-4B: 36 layers, hidden 2560, 32 query / 8 kv heads of 128, intermediate 9728, vocab 151936.
+    "qwen3-4b-shape": {
+        "arch": "qwen3",
+        "vocab": 151936,
+        "hidden": 2560,
+        "intermediate": 9728,
+        "layers": 36,
+        "heads": 32,
+        "kv_heads": 8,
+        "head_dim": 128,
+    },
+    # Llama-3.1-8B: 32 layers, hidden 4096, 32 query / 8 kv heads of 128, intermediate 14336, vocab 128256.
+    "llama-8b-shape": {
+        "arch": "llama",
+        "vocab": 128256,
+        "hidden": 4096,
+        "intermediate": 14336,
+        "layers": 32,
+        "heads": 32,
+        "kv_heads": 8,
+        "head_dim": 128,
+    },
+}
+
+K = 1024
+PROFILES: dict[str, dict[str, Any]] = {
+    "cpu": {
+        "device": "cpu",
+        "dtype": "fp32",
+        "attn": "sdpa",
+        "models": {"tiny-llama": CPU_MODEL},
+        # (SP, S) cells; S = 16K only for SP = 4 (SP = 2 at 16K alone would take ~4 of the 15 minutes).
+        "cells": [(2, s) for s in (2 * K, 4 * K, 8 * K)] + [(4, s) for s in (2 * K, 4 * K, 8 * K, 16 * K)],
+        "sp1_seq_lens": [2 * K, 4 * K, 8 * K, 16 * K],
+        "warmup": 1,
+        "steps": 3,
+        "repeats": 2,
+        "sp1_repeats": 1,
+        "timeout": 600,
+        "gradient_checkpointing": False,
+    },
+    "cpu-quick": {
+        "device": "cpu",
+        "dtype": "fp32",
+        "attn": "sdpa",
+        "models": {"tiny-llama": CPU_MODEL},
+        "cells": [(2, K)],
+        "sp1_seq_lens": [K],
+        "warmup": 1,
+        "steps": 2,
+        "repeats": 1,
+        "sp1_repeats": 1,
+        "timeout": 300,
+        "gradient_checkpointing": False,
+    },
+    "gpu": {
+        "device": "cuda",
+        "dtype": "bf16",
+        "attn": "flash_attention_2",
+        "models": GPU_MODELS,
+        "cells": None,  # SP = number of visible GPUs, S = 32K..256K (filled in at run time)
+        "seq_lens": [32 * K, 64 * K, 128 * K, 256 * K],
+        # SP=1 holds the whole model + optimizer on one GPU: only the shortest length is attempted.
+        "sp1_seq_lens": [32 * K],
+        "warmup": 1,
+        "steps": 3,
+        "repeats": 2,
+        "sp1_repeats": 1,
+        "timeout": 900,
+        "gradient_checkpointing": True,
+    },
+}
+
+
+def make_spec(profile: dict[str, Any], model_name: str, impl: str, sp: int, seq_len: int) -> dict[str, Any]:
+    """The JSON spec one worker job runs (see `benchmarks.worker`)."""
+    model = dict(profile["models"][model_name], name=model_name, max_positions=seq_len)
+    return {
+        "impl": impl,
+        "sp": 1 if impl == report.BASELINE else sp,
+        "seq_len": seq_len,
+        "warmup": profile["warmup"],
+        "steps": profile["steps"],
+        "device": profile["device"],
+        "dtype": profile["dtype"],
+        "attn": profile["attn"],
+        "gradient_checkpointing": profile["gradient_checkpointing"],
+        "zero_stage": 1,
+        "seed": 0,
+        # CPU: one thread per process. Intra-op threads on a shared 2-core box made the single process ~3x
+        # slower than one thread (OpenMP barriers spinning against other work), so SP=1 is one core and
+        # SP=P is P single-threaded processes (SP=4 oversubscribes 2 cores 2x, identically for A and B).
+        "threads": 1 if profile["device"] == "cpu" else None,
+        "model": model,
+    }
+
+
+def plan(profile: dict[str, Any]) -> list[dict[str, Any]]:
+    """All worker specs in execution order: per S, the SP=1 baseline(s), then each SP cell's A/B pairs.
+
+    The order of the pair flips after every pair (A B, B A, A B, ...), so each cell with an even number of
+    repeats is balanced and linear drift cancels.
+    """
+    specs, flip = [], False
+    for model_name in profile["models"]:
+        seq_lens = sorted({s for _, s in profile["cells"]} | set(profile["sp1_seq_lens"]))
+        for seq_len in seq_lens:
+            if seq_len in profile["sp1_seq_lens"]:
+                for _ in range(profile["sp1_repeats"]):
+                    specs.append(make_spec(profile, model_name, report.BASELINE, 1, seq_len))
+            for sp, s in profile["cells"]:
+                if s != seq_len:
+                    continue
+                for rep in range(profile["repeats"]):
+                    order = report.IMPLS[::-1] if flip else report.IMPLS
+                    flip = not flip
+                    for impl in order:
+                        specs.append(dict(make_spec(profile, model_name, impl, sp, seq_len), rep=rep))
+    return specs
+
+
+def _torchrun() -> list[str]:
+    exe = shutil.which("torchrun")
+    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def launch(spec: dict[str, Any], timeout: float, log_dir: Path, index: int) -> dict[str, Any]:
+    """Run one worker job; returns `{"spec", "status", "wall_s", "result"?, "error"?, "log"}`."""
+    nproc = 1 if spec["impl"] == report.BASELINE else spec["sp"]
+    out = log_dir / f"run{index:03d}.json"
+    log = log_dir / f"run{index:03d}.log"
+    worker_spec = {k: v for k, v in spec.items() if k != "rep"}
+    cmd = _torchrun() + ["--standalone", "--nproc_per_node", str(nproc), "-m", "benchmarks.worker"]
+    cmd += ["--spec", json.dumps(worker_spec), "--out", str(out)]
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+    )
+    if spec["device"] == "cpu":
+        env["OMP_NUM_THREADS"] = str(spec["threads"])
+        # A fixed mmap threshold turns off glibc's dynamic one: freed tensors go back to the OS, so the
+        # resident memory at a step's start no longer holds the previous step's freed activations.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    record: dict[str, Any] = {"spec": spec, "log": str(log), "launched_at": time.time()}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        # A new session, so a timeout can kill torchrun and every worker it started (its process group).
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = None
+    record["wall_s"] = time.perf_counter() - t0
+    record["ended_at"] = time.time()
+    if rc == 0 and out.exists():
+        record["result"] = json.loads(out.read_text())
+        record["status"] = "ok"
+        try:
+            record["summary"] = report.run_summary(record["result"], spec["warmup"])
+            _check_sp_active(spec, record["result"], record["summary"])
+        except (KeyError, ValueError) as e:
+            record["status"], record["error"] = "failed", f"bad result: {e}"
+    else:
+        record["status"] = "timeout" if rc is None else "failed"
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        record["error"] = f"rc={rc}: " + " | ".join(line.strip() for line in tail)
+    return record
+
+
+def _check_sp_active(spec: dict[str, Any], result: dict[str, Any], summary: dict[str, Any]) -> None:
+    """Each rank must have seen S / SP tokens, and SP runs must have exchanged data (else SP was not on)."""
+    local = {r["local_seq_len"] for r in result["ranks"]}
+    if local != {spec["seq_len"] // spec["sp"]}:
+        raise ValueError(f"ranks saw {sorted(local)} tokens per forward, expected {spec['seq_len'] // spec['sp']}")
+    if (spec["sp"] > 1) != (summary["a2a_calls"] > 0):
+        raise ValueError(f"{summary['a2a_calls']} all_to_all calls per step with sp={spec['sp']}")
+
+
+def _failure(record: dict[str, Any]) -> str:
+    spec = record["spec"]
+    return f"{spec['impl']} SP={spec['sp']} S={spec['seq_len']}: {record['status']} {record.get('error', '')[:400]}"
+
+
+def _describe(model: dict[str, Any]) -> str:
+    return (
+        f"({model['arch']}, {model['layers']} layers, hidden {model['hidden']}, {model['heads']}/{model['kv_heads']} "
+        f"heads x {model['head_dim']}, intermediate {model['intermediate']}, vocab {model['vocab']}, random init)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--quick", action="store_true", help="smoke grid: SP=2, S=1024, 1 repeat (CPU)")
+    parser.add_argument("--repeats", type=int, help="runs per implementation and cell (default: profile's)")
+    parser.add_argument("--steps", type=int, help="measured steps per run (default: profile's)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps skipped per run (default: profile's)")
+    parser.add_argument("--timeout", type=float, help="seconds per torchrun job (default: profile's)")
+    parser.add_argument("--nproc", type=int, help="GPU profile: SP size (default: visible GPUs)")
+    parser.add_argument("--seq-lens", type=str, help="comma-separated S for every SP size (overrides the grid)")
+    parser.add_argument("--models", type=str, help="GPU profile: comma-separated subset of the model shapes")
+    parser.add_argument("--attn", type=str, help="attention kernel (default: sdpa on CPU, flash_attention_2 on GPU)")
+    parser.add_argument("--dry-run", action="store_true", help="print the planned jobs and exit")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--tag", default=None, help="result name (default: <date>-<profile>)")
+    parser.add_argument("--from-json", type=Path, help="re-render the table and plots of an earlier result JSON")
+    args = parser.parse_args(argv)
+    if args.from_json:  # the runs are kept in the JSON: aggregate them again with the current code
+        data = json.loads(args.from_json.read_text())
+        write_outputs(str(args.from_json.with_suffix("")), data["meta"], data["runs"])
+        return 0
+
+    name = "cpu-quick" if args.quick else args.profile
+    profile = json.loads(json.dumps(PROFILES[name]))  # a copy
+    profile["cells"] = [tuple(c) for c in profile["cells"]] if profile["cells"] else None
+    for key in ("repeats", "steps", "warmup", "timeout", "attn"):
+        if getattr(args, key) is not None:
+            profile[key] = getattr(args, key)
+    if profile["device"] == "cuda":
+        if args.nproc is None:
+            import torch
+
+            args.nproc = torch.cuda.device_count()
+        if args.nproc < 2:
+            print(f"note: {args.nproc} visible GPU(s): only SP=1 baselines can run", file=sys.stderr)
+        profile["cells"] = [(args.nproc, s) for s in profile["seq_lens"]] if args.nproc >= 2 else []
+        if args.models:
+            profile["models"] = {m: profile["models"][m] for m in args.models.split(",")}
+    if args.seq_lens:
+        lens = [int(s) for s in args.seq_lens.split(",")]
+        sps = sorted({sp for sp, _ in profile["cells"]})
+        profile["cells"] = [(sp, s) for sp in sps for s in lens]
+        profile["sp1_seq_lens"] = lens
+
+    specs = plan(profile)
+    if args.dry_run:
+        for spec in specs:
+            nproc = 1 if spec["impl"] == report.BASELINE else spec["sp"]
+            print(f"torchrun --standalone --nproc_per_node {nproc} -m benchmarks.worker --spec '{json.dumps(spec)}'")
+        print(f"{len(specs)} jobs", file=sys.stderr)
+        return 0
+    date = datetime.date.today().isoformat()
+    tag = args.tag or f"{date}-{name}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix=f"bench-{tag}-"))
+    cli_args = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python -m benchmarks.run", *map(shlex.quote, cli_args)])
+    print(f"{len(specs)} runs; logs in {log_dir}", flush=True)
+
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
+    runs = []
+    for i, spec in enumerate(specs):
+        rec = launch(spec, profile["timeout"], log_dir, i)
+        runs.append(rec)
+        summ = rec.get("summary") or {}
+        step, act = summ.get("step_s"), summ.get("act_bytes")
+        print(
+            f"[{i + 1}/{len(specs)} {time.perf_counter() - t_start:6.0f}s] {spec['model']['name']} {spec['impl']:>10} "
+            f"SP={spec['sp']} S={spec['seq_len']:>6}: {rec['status']} in {rec['wall_s']:.0f}s"
+            + (
+                f", step {step:.2f}s, act {act / 2**20:.0f} MiB, a2a {summ['a2a_bytes'] / 2**20:.2f} MiB"
+                if summ
+                else ""
+            )
+            + (f"  {rec.get('error', '')[:300]}" if rec["status"] != "ok" else ""),
+            flush=True,
+        )
+    total = time.perf_counter() - t_start
+
+    ok = [r for r in runs if r["status"] == "ok"]
+    versions = ok[0]["result"].get("versions", {}) if ok else {}
+    meta = {
+        "profile": name,
+        "date": date,
+        "command": command,
+        "total_wall_s": total,
+        "load_start": " ".join(f"{x:.1f}" for x in load_start),
+        "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "cpus": os.cpu_count(),
+        "versions": versions,
+        "runs_ok": len(ok),
+        "runs_failed": len(runs) - len(ok),
+        "failures": [_failure(r) for r in runs if r["status"] != "ok"],
+        "warmup": profile["warmup"],
+        "steps": profile["steps"],
+        "repeats": profile["repeats"],
+        "zero_stage": 1,
+        "device": profile["device"],
+        "dtype": profile["dtype"],
+        "attn": profile["attn"],
+        "models": {m: _describe(spec) for m, spec in profile["models"].items()},
+        "cells": profile["cells"],
+    }
+    for r in runs:  # keep the JSON self-contained but drop the bulky log path
+        r.pop("log", None)
+    write_outputs(str(args.out_dir / tag), meta, runs)
+    return 0 if ok and len(ok) == len(runs) else 1
+
+
+def write_outputs(prefix: str, meta: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """Aggregate `runs` and write `<prefix>.json`, `<prefix>.md` and the PNGs."""
+    rows, base = report.cell_rows(runs), report.baseline_rows(runs)
+    meta["headline"] = report.headline(rows)
+    meta["plots"] = [Path(p).name for p in report.plot(rows, base, prefix)] if rows or base else []
+    with open(f"{prefix}.json", "w") as f:
+        json.dump({"meta": meta, "cells": rows, "baselines": base, "runs": runs}, f, indent=1)
+    md = report.render_markdown(meta, rows, base)
+    if meta["plots"]:
+        md += "\n" + "\n".join(f"![{p}]({p})" for p in meta["plots"]) + "\n"
+    Path(f"{prefix}.md").write_text(md)
+    print(md)
+    print(f"wrote {prefix}.json, {prefix}.md and {len(meta['plots'])} plots; total {meta['total_wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The benchmark's pure functions: theory bytes, per-run and per-cell medians, ratios, markdown, plan order."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import report
+from benchmarks.run import PROFILES, make_spec, plan
+
+MODEL = {"name": "m", "arch": "llama", "heads": 8, "kv_heads": 8, "head_dim": 32, "layers": 2, "vocab": 64}
+
+
+def test_theory_bytes_per_step_formula():
+    # (2*H*d + 2*H_kv*d) * (S/P) * (P-1)/P * bytes per layer forward, x2 for backward, x layers
+    per_layer_fwd = (2 * 8 * 32 + 2 * 8 * 32) * (4096 / 4) * (3 / 4) * 4
+    assert report.theory_bytes_per_step(8, 8, 32, 2, 4096, 4, 4) == pytest.approx(2 * 2 * per_layer_fwd)
+    # GQA: fewer kv heads send less; SP=1 sends nothing
+    assert report.theory_bytes_per_step(32, 8, 128, 1, 1024, 2, 2) == pytest.approx(
+        2 * (2 * 32 * 128 + 2 * 8 * 128) * 512 * 0.5 * 2
+    )
+    assert report.theory_bytes_per_step(8, 8, 32, 2, 4096, 1, 4) == 0
+    # activation checkpointing replays the forward exchange in the backward: 3 passes instead of 2
+    assert report.theory_bytes_per_step(8, 8, 32, 2, 4096, 4, 4, recompute=True) == pytest.approx(3 * 2 * per_layer_fwd)
+
+
+def _step(step_s, act, a2a_bytes, a2a_s=0.1, before=100, other=None):
+    return {
+        "step_s": step_s,
+        "iter_s": step_s + 0.01,
+        "mem_before": before,
+        "mem_peak": before + act,
+        "act_bytes": act,
+        "a2a_calls": 8,
+        "a2a_bytes": a2a_bytes,
+        "a2a_s": a2a_s,
+        "hf_a2a_calls": 8,
+        "hf_a2a_bytes": a2a_bytes,
+        "hf_a2a_s": a2a_s,
+        "other_comm": other or {"all_reduce": [3, 1000.0, 0.01]},
+    }
+
+
+def _result(rank_steps, peak=500):
+    return {"ranks": [{"steps": steps, "process_peak_bytes": peak + i} for i, steps in enumerate(rank_steps)]}
+
+
+def test_run_summary_skips_warmup_and_combines_ranks():
+    rank0 = [_step(99.0, 10**9, 7), _step(1.0, 10, 64), _step(3.0, 30, 64), _step(2.0, 20, 64)]
+    rank1 = [_step(99.0, 10**9, 7), _step(1.5, 40, 64), _step(1.0, 50, 64), _step(1.0, 60, 64)]
+    s = report.run_summary(_result([rank0, rank1]), warmup=1)
+    assert s["step_s"] == 2.0  # per step the slowest rank: [1.5, 3.0, 2.0] -> median 2.0
+    assert s["act_bytes"] == 50  # per rank medians 20 and 50 -> worst rank
+    assert s["a2a_bytes"] == 64
+    assert s["process_peak_bytes"] == 501
+    assert s["other_comm_bytes"] == 1000.0
+    with pytest.raises(ValueError, match="no measured steps"):
+        report.run_summary(_result([rank0[:1]]), warmup=1)
+
+
+def _run(impl, sp, seq, step_s, act, a2a, status="ok"):
+    spec = {"impl": impl, "sp": sp, "seq_len": seq, "dtype": "fp32", "model": MODEL}
+    steps = [_step(step_s, act, a2a)] * 3
+    return {"spec": spec, "status": status, "summary": report.run_summary(_result([steps] * max(sp, 1)), 1)}
+
+
+def test_cell_rows_medians_and_ratios():
+    theory = report.theory_bytes_per_step(8, 8, 32, 2, 2048, 2, 4)
+    runs = [
+        _run("none", 1, 2048, 4.0, 1000, 0),
+        _run("hf_longctx", 2, 2048, 2.0, 400, theory),
+        _run("hf_longctx", 2, 2048, 4.0, 600, theory),
+        _run("upstream", 2, 2048, 4.0, 500, 1.5 * theory),
+        _run("upstream", 2, 2048, 4.0, 500, 1.5 * theory),
+        _run("upstream", 2, 2048, 100.0, 1, 1, status="timeout"),  # ignored
+    ]
+    (row,) = report.cell_rows(runs)
+    assert (row["sp"], row["seq_len"], row["hf_longctx_repeats"], row["upstream_repeats"]) == (2, 2048, 2, 2)
+    assert row["theory_bytes"] == pytest.approx(theory)
+    assert row["hf_longctx"]["step_s"] == 3.0  # median of repeats (2.0, 4.0)
+    assert row["ratio"]["step_s"] == pytest.approx(0.75)
+    assert row["bytes_vs_theory"] == {"hf_longctx": pytest.approx(1.0), "upstream": pytest.approx(1.5)}
+    assert row["act_vs_sp1"] == {"hf_longctx": pytest.approx(0.5), "upstream": pytest.approx(0.5)}
+    assert row["sp1"]["step_s"] == 4.0
+    (base,) = report.baseline_rows(runs)
+    assert (base["seq_len"], base["act_bytes"]) == (2048, 1000)
+
+    head = report.headline([row], min_seq=2048)
+    assert head["step_ratio_long"] == {"m/sp2/S2K": pytest.approx(0.75)}
+    assert head["bytes_vs_theory_max"]["upstream"] == {"m/sp2": pytest.approx(1.5)}
+
+
+def test_cell_rows_missing_implementation_gives_none_ratios():
+    (row,) = report.cell_rows([_run("hf_longctx", 4, 4096, 1.0, 10, 5)])
+    assert row["upstream"] is None and row["sp1"] is None
+    assert row["ratio"]["step_s"] is None and row["act_vs_sp1"]["hf_longctx"] is None
+
+
+def test_render_markdown_tables():
+    runs = [_run("none", 1, 8192, 4.0, 2**30, 0), _run("hf_longctx", 4, 8192, 1.0, 2**28, 2**20)]
+    runs.append(_run("upstream", 4, 8192, 2.0, 2**28, 2**20))
+    meta = {"profile": "cpu", "date": "2026-01-01", "command": "python -m benchmarks.run", "total_wall_s": 12.0}
+    md = report.render_markdown(meta, report.cell_rows(runs), report.baseline_rows(runs))
+    assert "`python -m benchmarks.run`" in md and "Total wall time: 12 s" in md
+    assert "| 4 | 8K | 1.00 | 2.00 | 0.500 |" in md  # step time row: hf, upstream, ratio
+    assert "| 4 | 8K | 256 | 256 | 1024 | 0.250 | 0.250 | 1.000 |" in md  # act MiB and ratios
+    assert "| 8K | 4.00 | 1024 |" in md  # SP=1 baseline
+    assert "n/a" not in md.split("### SP=1")[0].split("### all_to_all")[0]
+
+
+def test_plan_alternates_order_and_puts_baselines_first():
+    profile = dict(PROFILES["cpu"], cells=[(2, 1024), (4, 1024)], sp1_seq_lens=[1024], repeats=2)
+    specs = plan(profile)
+    assert [(s["impl"], s["sp"]) for s in specs] == [
+        ("none", 1),
+        ("hf_longctx", 2),
+        ("upstream", 2),
+        ("upstream", 2),
+        ("hf_longctx", 2),
+        ("hf_longctx", 4),
+        ("upstream", 4),
+        ("upstream", 4),
+        ("hf_longctx", 4),
+    ]
+    spec = make_spec(PROFILES["cpu"], "tiny-llama", "upstream", 4, 2048)
+    assert spec["model"]["heads"] % 4 == 0 and spec["model"]["kv_heads"] % 4 == 0
+    assert spec["model"]["max_positions"] == 2048 and spec["threads"] == 1
