@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .instrument import timed_collective
+from .instrument import CollectiveStats, active_recorder, timed_collective
 
 
-def _all_to_all_forward(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all_forward(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, stats: CollectiveStats | None = None
+) -> torch.Tensor:
     ws = dist.get_world_size(group)
     size = x.shape[scatter_dim]
     if size % ws != 0:
@@ -22,7 +24,7 @@ def _all_to_all_forward(x: torch.Tensor, scatter_dim: int, gather_dim: int, grou
     # [..., ws * c, ...] -> [ws, ..., c, ...]: chunk i (for rank i) becomes contiguous block i.
     send = x.unflatten(scatter_dim, (ws, size // ws)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
-    with timed_collective("all_to_all", send, (ws - 1) / ws):
+    with timed_collective("all_to_all", send, (ws - 1) / ws, stats):
         dist.all_to_all_single(recv, send, group=group)
     # recv[j] came from rank j: put the rank axis right before gather_dim and merge them.
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
@@ -31,14 +33,14 @@ def _all_to_all_forward(x: torch.Tensor, scatter_dim: int, gather_dim: int, grou
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all_forward(x, scatter_dim, gather_dim, group)
+        ctx.dims, ctx.group, ctx.stats = (scatter_dim, gather_dim), group, active_recorder()
+        return _all_to_all_forward(x, scatter_dim, gather_dim, group, ctx.stats)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         scatter_dim, gather_dim = ctx.dims
         # The adjoint of a permutation is its inverse: swap the roles of the two dims.
-        return _all_to_all_forward(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+        return _all_to_all_forward(grad, gather_dim, scatter_dim, ctx.group, ctx.stats), None, None, None
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:

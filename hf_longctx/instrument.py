@@ -61,13 +61,22 @@ def record_collectives(stats: CollectiveStats | None = None) -> Iterator[Collect
         _RECORDER.reset(token)
 
 
-@contextlib.contextmanager
-def timed_collective(op: str, tensor: torch.Tensor, share_sent: float) -> Iterator[None]:
-    """Time one collective and add `tensor.nbytes * share_sent` bytes to the active recorder, if any.
+def active_recorder() -> CollectiveStats | None:
+    """The recorder of the current context (autograd functions keep it for their backward)."""
+    return _RECORDER.get()
 
-    On CUDA the time is the host-side time unless the caller synchronises; on CPU/gloo it is the wall time.
+
+@contextlib.contextmanager
+def timed_collective(
+    op: str, tensor: torch.Tensor, share_sent: float, stats: CollectiveStats | None = None
+) -> Iterator[None]:
+    """Time one collective and add `tensor.nbytes * share_sent` bytes to `stats` or the active recorder.
+
+    Backward passes may run on autograd's device threads, where the context variable is unset, so
+    autograd functions pass the recorder they saw in forward as `stats`. On CUDA the time is the
+    host-side time unless the caller synchronises; on CPU/gloo it is the wall time.
     """
-    stats = _RECORDER.get()
+    stats = stats if stats is not None else _RECORDER.get()
     if stats is None:
         yield
         return
