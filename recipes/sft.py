@@ -77,7 +77,7 @@ def main() -> None:
     if trainer.is_world_process_zero() and lc.compare_to:
         worst, steps = compare_runs(args.output_dir, lc.compare_to)
         png = plot_loss_curves(
-            {f"SP={lc.sp_size}": args.output_dir, "reference": lc.compare_to},
+            {f"SP={lc.sp_size}": args.output_dir, "reference (no SP)": lc.compare_to},
             os.path.join(args.output_dir, "loss_curves.png"),
         )
         print(f"loss curve vs {lc.compare_to}: max relative difference {worst:.2e} over {steps} steps (plot: {png})")

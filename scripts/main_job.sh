@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-bash scripts/install.sh "${HF_LONGCTX_EXTRAS:-dev}"
+bash scripts/install.sh "${HF_LONGCTX_EXTRAS:-trl,plot}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 OUT="${OUT:-outputs/main_job}"
