@@ -2,8 +2,9 @@
 
 Entry: accelerate calls `ParallelismConfig._validate_accelerator(accelerator)` inside
 `Accelerator.__init__`; for our backends that calls `attach(config, accelerator)`, which builds
-the SP/DP groups and makes three instance-level changes to *that* accelerator (models get Ulysses
-attention when prepared; dataloaders are sampled by DP rank and sharded per SP rank) plus the few
+the SP/DP groups and makes instance-level changes to *that* accelerator only (models get Ulysses
+attention when prepared; dataloaders are sampled by DP rank and sharded per SP rank; metrics are
+gathered SP group first, see `metrics.py`) plus the few
 class-level Trainer patches below, which act only when the trainer's accelerator is attached.
 `detach(accelerator)` undoes the instance changes and the models' attention.
 """
