@@ -1,0 +1,53 @@
+"""The Trainer patches: an allow-list of targets, idempotent, and fully reversible."""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+from hf_longctx import trainer as sp_trainer
+from hf_longctx.patching import PATCH_MARKER, Patch
+
+# Every attribute hf_longctx may replace outside its own objects. A new target must be added here on purpose.
+ALLOWED = {"get_sp_size", "get_total_train_batch_size", "prediction_step"}
+
+
+def test_patch_targets_are_allow_listed_idempotent_and_reversible():
+    from trl import SFTTrainer  # noqa: F401  (a loaded subclass that overrides prediction_step)
+
+    originals = {name: Trainer.__dict__[name] for name in ALLOWED}
+    try:
+        first = sp_trainer.install_trainer_patches()
+        second = sp_trainer.install_trainer_patches()
+        assert {p.name for p in first} <= ALLOWED
+        assert [(p.owner, p.name) for p in first] == [(p.owner, p.name) for p in second]
+        for patch in first:
+            current = patch.owner.__dict__[patch.name]
+            assert getattr(current, PATCH_MARKER) and current.__wrapped__ is patch.original
+        owners = {p.owner.__name__ for p in first if p.name == "prediction_step"}
+        assert {"Trainer", "SFTTrainer"} <= owners
+    finally:
+        sp_trainer.remove_trainer_patches()
+    for name, original in originals.items():
+        assert Trainer.__dict__[name] is original
+
+
+def test_patch_on_missing_attribute_raises():
+    class Empty:
+        pass
+
+    try:
+        Patch(Empty, "nothing", lambda f: f).apply()
+    except ValueError as err:
+        assert "nothing" in str(err)
+    else:
+        raise AssertionError("patching a missing attribute must raise")
+
+
+def test_gated_patches_leave_plain_trainers_alone():
+    class FakeAccelerator:
+        pass
+
+    class FakeTrainer:
+        accelerator = FakeAccelerator()
+
+    assert sp_trainer.sp_state(FakeTrainer()) is None  # no attached SP: every patch defers to the original
