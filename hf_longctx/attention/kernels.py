@@ -85,7 +85,7 @@ class SequenceContext:
             }
         return self._cache["varlen"]
 
-    def block_mask(self, num_heads: int, sliding_window: int | None):
+    def block_mask(self, sliding_window: int | None):
         """A flex-attention `BlockMask` with the same rule as `allowed`."""
         key = ("block", sliding_window)
         if key not in self._cache:
@@ -133,4 +133,4 @@ def kernel_inputs(
         if not context.single_document:
             kw.update(context.varlen_kwargs())
         return None, kw
-    return context.block_mask(query.shape[1], window), kw
+    return context.block_mask(window), kw

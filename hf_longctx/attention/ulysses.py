@@ -72,6 +72,12 @@ def head_layout(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     return HeadLayout(q_local, q_local, 1, index)
 
 
+@lru_cache(maxsize=64)
+def _kv_index(kv_index: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Built once per layout and device, not once per layer call (a host-to-device copy on GPU).
+    return torch.tensor(kv_index, device=device)
+
+
 class _KernelModuleView:
     """The attention module as the local kernel must see it: local GQA ratio, original kernel name.
 
@@ -104,7 +110,7 @@ def _exchange_qkv(
     """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`."""
     ws, group = groups.sp_world_size, groups.sp_group
     if layout.kv_index is not None:
-        index = torch.tensor(layout.kv_index, device=key.device)
+        index = _kv_index(layout.kv_index, key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
     if query.shape[-1] == key.shape[-1] == value.shape[-1]:
         # One collective: per destination, [q heads | k heads | v heads] side by side.
