@@ -113,12 +113,11 @@ def _exchange_qkv(
         index = _kv_index(layout.kv_index, key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
     if query.shape[-1] == key.shape[-1] == value.shape[-1]:
-        # One collective: per destination, [q heads | k heads | v heads] side by side.
-        # [bs, ws, hc_l + 2 * kv_l, sl_l, hs] -> [bs, ws * (hc_l + 2 * kv_l), sl_l, hs]
-        qkv = torch.cat(
-            [query.unflatten(1, (ws, -1)), key.unflatten(1, (ws, -1)), value.unflatten(1, (ws, -1))], dim=2
-        ).flatten(1, 2)
-        qkv = all_to_all(qkv, scatter_dim=1, gather_dim=2, group=group)  # [bs, hc_l + 2 * kv_l, sl, hs]
+        # One collective: per destination, [q heads | k heads | v heads] side by side. The cat writes the
+        # send buffer rank-major, so the all-to-all sends it without another copy for any batch size.
+        # [ws, bs, hc_l + 2 * kv_l, sl_l, hs]
+        qkv = torch.cat([t.unflatten(1, (ws, -1)).movedim(1, 0) for t in (query, key, value)], dim=2)
+        qkv = all_to_all(qkv, scatter_dim=0, gather_dim=3, group=group)[0]  # [bs, hc_l + 2 * kv_l, sl, hs]
         return qkv.split([layout.q_local, layout.kv_local, layout.kv_local], dim=1)
     # Head dims differ (e.g. MLA): three collectives.
     return tuple(all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
