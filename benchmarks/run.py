@@ -139,6 +139,8 @@ def make_spec(profile: dict[str, Any], model_name: str, impl: str, sp: int, seq_
         # slower than one thread (OpenMP barriers spinning against other work), so SP=1 is one core and
         # SP=P is P single-threaded processes (SP=4 oversubscribes 2 cores 2x, identically for A and B).
         "threads": 1 if profile["device"] == "cpu" else None,
+        # one extra torch.profiler step per SP run for the "where the time goes" table (CPU only)
+        "op_profile": profile["device"] == "cpu" and impl != report.BASELINE,
         "model": model,
     }
 

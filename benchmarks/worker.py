@@ -25,6 +25,9 @@ between `on_step_begin` and `on_step_end` (the batch is already loaded then):
   `all_gather_into_tensor`, `all_reduce`, `reduce_scatter_tensor`, `broadcast`) are wrapped in this process
   for both implementations: calls, bytes this rank sends to other ranks, and wall time inside the call
   (CUDA events on GPU). For hf_longctx, `hf_longctx.instrument.record_collectives()` numbers are added.
+- `spec["op_profile"]` (CPU): one extra step after the measured ones runs under `torch.profiler`; its self
+  CPU time is split by `report.categorize_ops` into attention kernel, matmul, communication and other. That
+  step is not in `steps`, so the profiler's overhead never reaches the medians.
 
 Rank 0 writes one JSON with every rank's per-step records to `--out`.
 """
@@ -191,15 +194,34 @@ class StepMemory:
         return peak
 
 
-def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool):
+def _op_events(prof: Any) -> list[tuple[float, list[str]]]:
+    """Per profiler event: self CPU seconds and the names of the event and its ancestors, innermost first."""
+    out = []
+    for ev in prof.events():
+        chain, node = [], ev
+        while node is not None:
+            chain.append(node.name)
+            node = node.cpu_parent
+        out.append((ev.self_cpu_time_total / 1e6, chain))
+    return out
+
+
+def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool, profile_step: int | None):
     import torch
     from transformers import TrainerCallback
 
+    from benchmarks.report import categorize_ops
+
     class StepRecorder(TrainerCallback):
+        """Records every step; step number `profile_step` (0-based) instead runs under `torch.profiler`."""
+
         def __init__(self) -> None:
             self.steps: list[dict[str, Any]] = []
+            self.op_profile: dict[str, float] | None = None
             self._t0 = self._last_end = 0.0
             self._before: dict[str, Any] = {}
+            self._seen = 0
+            self._prof: Any = None
 
         def _hf(self) -> tuple[float, float, float]:
             if hf_stats is None:
@@ -212,6 +234,11 @@ def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda
             self._last_end = time.perf_counter()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self._seen += 1
+            if self._seen - 1 == profile_step:
+                self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self._prof.__enter__()
+                return
             rss_before = memory.begin()
             if cuda:
                 counter.flush()
@@ -219,6 +246,11 @@ def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if self._prof is not None:
+                self._prof.__exit__(None, None, None)
+                self.op_profile, self._prof = categorize_ops(_op_events(self._prof)), None
+                self._last_end = time.perf_counter()
+                return
             if cuda:
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
@@ -337,6 +369,9 @@ def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
         raise ValueError(f"the benchmark runs SP over the whole world: sp={sp}, world={world}")
 
     steps = spec["warmup"] + spec["steps"]
+    # CPU op breakdown: one extra step after the measured ones, profiled and kept out of the medians.
+    profile_step = steps if spec.get("op_profile") and not cuda else None
+    steps += profile_step is not None
     ds_config = {
         "zero_optimization": {"stage": spec.get("zero_stage", 1)},
         "train_micro_batch_size_per_gpu": "auto",
@@ -382,7 +417,7 @@ def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
 
         hf_ctx = record_collectives()
     hf_stats = hf_ctx.__enter__() if hf_ctx is not None else None
-    recorder = _make_callback(counter, memory, hf_stats, cuda)
+    recorder = _make_callback(counter, memory, hf_stats, cuda, profile_step)
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[recorder])
     mark("trainer_ready")  # model built, Trainer constructed (DeepSpeed is initialised inside train())
     t0 = time.perf_counter()
@@ -401,6 +436,7 @@ def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
     rank_result = {
         "rank": dist.get_rank() if dist.is_initialized() else 0,
         "steps": recorder.steps,
+        "op_profile": recorder.op_profile,
         "process_peak_bytes": memory.process_peak,
         "memory_method": memory.method,
         "local_seq_len": local_lens[0] if local_lens else None,

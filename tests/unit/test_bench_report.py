@@ -124,3 +124,48 @@ def test_plan_alternates_order_and_puts_baselines_first():
     spec = make_spec(PROFILES["cpu"], "tiny-llama", "upstream", 4, 2048)
     assert spec["model"]["heads"] % 4 == 0 and spec["model"]["kv_heads"] % 4 == 0
     assert spec["model"]["max_positions"] == 2048 and spec["threads"] == 1
+
+
+def test_op_category_matches_forward_ops_and_autograd_nodes():
+    assert report.op_category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert report.op_category("ScaledDotProductFlashAttentionForCpuBackward0") == "attention"
+    assert report.op_category("aten::mm") == "matmul"
+    assert report.op_category("MmBackward0") is None  # the autograd node itself; its aten::mm child is matmul
+    for name in ("_AllToAll", "_AllToAllBackward", "deepspeed::dim_zero_all_to_all", "c10d::allreduce_", "_AllGather"):
+        assert report.op_category(name) == "communication", name
+    assert report.op_category("aten::copy_") is None
+
+
+def test_categorize_ops_uses_innermost_classified_ancestor():
+    events = [
+        (0.5, ["aten::_scaled_dot_product_flash_attention_for_cpu"]),
+        (0.2, ["aten::mm", "aten::linear"]),
+        (0.1, ["aten::copy_", "aten::contiguous", "_AllToAll"]),  # a layout copy inside the exchange
+        (0.05, ["aten::copy_", "aten::contiguous"]),  # outside any classified op
+        (0.01, ["aten::mm", "_AllToAll"]),  # innermost classified name wins
+    ]
+    out = report.categorize_ops(events)
+    assert out == pytest.approx({"attention": 0.5, "matmul": 0.21, "communication": 0.1, "other": 0.05, "total": 0.86})
+
+
+def test_profiled_step_columns_and_floor():
+    def run_with_ops(impl, attention, matmul, comm, other):
+        run = _run(impl, 2, 8192, 1.0, 10, 5)
+        profile = {"attention": attention, "matmul": matmul, "communication": comm, "other": other}
+        profile["total"] = sum(profile.values())
+        result = _result([[_step(1.0, 10, 5)] * 3] * 2)
+        for rank in result["ranks"]:
+            rank["op_profile"] = profile
+        run["summary"] = report.run_summary(result, 1)
+        return run
+
+    (row,) = report.cell_rows([run_with_ops("hf_longctx", 6, 2, 1, 1), run_with_ops("upstream", 6, 2, 0.5, 1.5)])
+    assert row["hf_longctx"]["ops_total_s"] == 10 and row["ratio"]["ops_total_s"] == pytest.approx(1.0)
+    assert report.floor_ratio(row) == pytest.approx(0.8)  # (6 + 2) / 10
+    assert report.no_comm_ratio(row) == pytest.approx(0.9)  # (10 - 1) / 10
+    assert report.headline([row])["step_ratio_floor_long"] == {"m/sp2/S8K": pytest.approx(0.8)}
+    md = report.render_markdown({}, [row], [])
+    assert "### Where the time goes" in md and "| 0.900 | 0.800 |" in md
+    # without profiled steps (GPU profile) the section is left out
+    md = report.render_markdown({}, report.cell_rows([_run("hf_longctx", 2, 8192, 1.0, 10, 5)]), [])
+    assert "### Where the time goes" not in md
