@@ -38,6 +38,8 @@ class SequenceParallelHandle:
     def __init__(self, model: torch.nn.Module, groups: SequenceParallelGroups, key: str, kernel_name: str) -> None:
         self.model, self.groups, self.key, self.kernel_name = model, groups, key, kernel_name
         self.context: SequenceContext | None = None
+        self.attention_calls = 0  # Ulysses calls in the current forward (see `_check_layers`)
+        self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
         self._forward_takes_kwargs = any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
         )
@@ -70,12 +72,53 @@ class SequenceParallelHandle:
                 "the output of hf_longctx.shard_batch(batch, groups) (or remove the handle first)."
             )
         check_shard_consistency(position_ids, signature, self.groups)
+        self.attention_calls = 0
         self.context = SequenceContext(all_gather_sequence(position_ids.long(), self.groups.sp_group))
         # Also ride along the forward's kwargs: activation checkpointing replays those, so a layer
         # recomputed in backward sees its own forward's context even if another forward ran since.
         if self._forward_takes_kwargs:
             kwargs[CONTEXT_KWARG] = self.context
         return args, kwargs
+
+    def _check_layers(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        # Forward hook, the catch-all behind `check_token_mixers`: a decoder layer that never called the
+        # attention registry mixed tokens some other way (linear attention, a recurrence) on its shard only.
+        if self.attention_calls < self.num_layers:
+            raise ValueError(
+                f"Only {self.attention_calls} of {self.num_layers} decoder layers called transformers' attention "
+                f"interface in this forward: {type(module).__name__} mixes tokens in other layers (linear "
+                "attention, a state-space or recurrent block), which would see only this rank's shard and give "
+                "a wrong loss. Sequence parallelism supports models whose only token mixing is attention; "
+                "train this model with sp_size=1."
+            )
+
+
+# Layer kinds (a text config's `layer_types`) that mix tokens without the attention registry.
+_NON_ATTENTION_LAYERS = ("linear", "mamba", "conv", "recurrent", "ssm", "deltanet")
+
+
+def check_token_mixers(model: torch.nn.Module) -> None:
+    """Refuse models that mix tokens outside attention, before any step runs.
+
+    Ulysses makes attention see the whole sequence; a convolution or state-space scan over the
+    sequence (Mamba, short convolutions, gated delta nets: all hold a `Conv1d`) or a layer type
+    such as "linear_attention" would still see only this rank's shard.
+
+    Raises:
+        ValueError: naming the first such module or layer type and the fix (sp_size=1).
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder if isinstance(decoder, torch.nn.Module) else model
+    convs = [name for name, m in decoder.named_modules() if isinstance(m, torch.nn.Conv1d)]
+    kinds = [k for k in getattr(_attention_config(model), "layer_types", None) or [] if isinstance(k, str)]
+    other = sorted({k for k in kinds if any(tag in k.lower() for tag in _NON_ATTENTION_LAYERS)})
+    if convs or other:
+        what = f"a Conv1d over the sequence ({convs[0]})" if convs else f"layers of type {other}"
+        raise ValueError(
+            f"{type(model).__name__} mixes tokens outside attention: {what}. Under sequence parallelism "
+            "that layer would see only this rank's shard and the loss would be wrong; hf_longctx supports "
+            "models whose only token mixing is attention. Train this model with sp_size=1."
+        )
 
 
 def _attention_config(model: torch.nn.Module) -> Any:
@@ -103,7 +146,8 @@ def enable_sequence_parallel(
 
     Raises:
         ValueError: unknown backend, SP already enabled on this model, an unsupported attention
-            implementation, or head counts incompatible with the SP size.
+            implementation, head counts incompatible with the SP size, or token mixing outside
+            attention (convolutions, state-space or linear-attention layers).
     """
     _compat.check_versions()
     if backend not in BACKENDS:
@@ -115,6 +159,7 @@ def enable_sequence_parallel(
     family = kernel_family(kernel_name)
     num_heads = config.num_attention_heads
     check_heads(num_heads, groups.sp_world_size)
+    check_token_mixers(model)
 
     key = f"{KEY_PREFIX}_{next(_keys)}"
     handle = SequenceParallelHandle(model, groups, key, kernel_name)
@@ -124,6 +169,7 @@ def enable_sequence_parallel(
         context = kwargs.pop(CONTEXT_KWARG, None) or handle.context
         if context is None:
             raise ValueError("No sequence context: the model must be called through its top-level forward.")
+        handle.attention_calls += 1
         kernel = kernels.get(type(module))
         if kernel is None:
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
@@ -151,6 +197,8 @@ def enable_sequence_parallel(
         config._attn_implementation_internal = key
         handle._undo.append(lambda: setattr(config, "_attn_implementation_internal", previous))
         hook = model.register_forward_pre_hook(handle._capture_positions, with_kwargs=True)
+        handle._undo.append(hook.remove)
+        hook = model.register_forward_hook(handle._check_layers)
         handle._undo.append(hook.remove)
         setattr(model, _HANDLE_ATTR, handle)
         handle._undo.append(lambda: delattr(model, _HANDLE_ATTR))

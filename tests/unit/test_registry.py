@@ -57,7 +57,7 @@ def logits(model, **inputs) -> torch.Tensor:
 def assert_restored(model, keys_before, attn="sdpa"):
     assert model.config._attn_implementation == attn
     assert registry_keys() == keys_before
-    assert len(model._forward_pre_hooks) == 0
+    assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 0
     assert not hasattr(model, "_hf_longctx_sp_handle")
 
 
@@ -261,3 +261,39 @@ def test_activation_checkpointing_recompute_uses_its_own_forward_context():
         got = grads(model, sp=True)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "match"),
+    [
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, r"Conv1d over the sequence \(layers.0.conv"),
+        (
+            "minimax",
+            {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2},
+            "linear_attention",
+        ),
+    ],
+)
+def test_token_mixing_outside_attention_is_refused(model_type, extra, match):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **TINY, head_dim=16, vocab_size=128, **extra)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    keys_before = registry_keys()
+    with pytest.raises(ValueError, match=match) as err:
+        enable_sequence_parallel(model, SINGLE)
+    assert "sp_size=1" in str(err.value)
+    assert_restored(model, keys_before)
+
+
+def test_layer_that_skips_the_attention_interface_fails_the_forward():
+    # The catch-all: a layer mixing tokens by some route the static check cannot see.
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.forward = lambda hidden_states, **kwargs: (torch.zeros_like(hidden_states), None)
+    batch = shard_batch(packed_batch(), SINGLE)
+    with enable_sequence_parallel(model, SINGLE):
+        with pytest.raises(ValueError, match="Only 1 of 2 decoder layers"):
+            model(**batch)
