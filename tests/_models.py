@@ -1,4 +1,8 @@
-"""Tiny random-init float32 causal LMs (llama, qwen3, mistral) built in-process, no hub download.
+"""Tiny random-init float32 causal LMs built in-process, no hub download.
+
+llama, qwen3 and mistral are the main shapes; gpt_oss (attention sinks, MoE, eager only),
+deepseek_v3 (MLA: value head dim differs from query/key) and gemma2 (logit soft-capping and
+alternating sliding windows, eager only) cover kernels that read more than q, k and v.
 
 `tiny_model` is the one factory: it seeds before building, so every rank of a distributed test (and
 the SP=1 reference in the same test) gets identical weights.
@@ -8,6 +12,12 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -22,7 +32,38 @@ ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
 }
+
+
+def _arch_extras(arch: str, hidden: int, num_heads: int) -> dict:
+    head_dim = hidden // num_heads
+    if arch == "gpt_oss":
+        # top-2 of 4: with top-1 the normalised routing weight is 1 and the router gets no gradient
+        return {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}
+    if arch == "deepseek_v3":
+        # MLA: q/k head dim = nope + rope = 3/2 x head_dim, v head dim = head_dim (three all-to-alls).
+        rope = head_dim // 2
+        return {
+            "q_lora_rank": None,
+            "kv_lora_rank": 2 * head_dim,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": head_dim,
+            "v_head_dim": head_dim,
+            "head_dim": rope,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": hidden,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        }
+    if arch == "gemma2":
+        return {"sliding_window": 8, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": head_dim}
+    return {}
 
 
 def tiny_config(
@@ -65,6 +106,7 @@ def tiny_config(
     )
     if arch == "mistral":
         common["sliding_window"] = None
+    common.update(_arch_extras(arch, hidden, num_heads))
     return config_cls(**common)
 
 
@@ -82,14 +124,14 @@ def tiny_model(
     """A tiny random-init causal LM in float32 and train mode.
 
     Args:
-        arch: "llama", "qwen3" or "mistral".
+        arch: a key of `ARCHS`.
         num_heads, num_kv_heads, hidden, layers, vocab: model shape; head_dim = hidden // num_heads,
             intermediate size = 2 * hidden.
         attn: `attn_implementation` ("sdpa", "eager", "flex_attention", or a registered key).
         seed: `torch.manual_seed` before building, so equal seeds give identical weights on every rank.
 
     Returns:
-        The model (`LlamaForCausalLM`, `Qwen3ForCausalLM` or `MistralForCausalLM`), float32, `.train()`.
+        The model (`LlamaForCausalLM`, ...), float32, `.train()`.
 
     Raises:
         ValueError: see `tiny_config`.

@@ -78,21 +78,31 @@ def _kv_index(kv_index: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(kv_index, device=device)
 
 
-class _KernelModuleView:
-    """The attention module as the local kernel must see it: local GQA ratio, original kernel name.
+# Per-query-head tensors that kernels read from the attention module or receive as keyword arguments:
+# learnable attention sinks (GPT-OSS: `module.sinks` in eager, `s_aux=` for flash and flex).
+PER_HEAD_ATTRS = ("sinks",)
+PER_HEAD_KWARGS = ("s_aux", "sinks")
 
-    Kernels read `module.num_key_value_groups` (GQA expansion) and flash reads
-    `module.config._attn_implementation`; both differ on the full-sequence/local-heads side, and a
-    view avoids mutating the real module or the shared config.
+
+class _KernelModuleView:
+    """The attention module as the local kernel must see it: local heads, original kernel name.
+
+    Kernels read `module.num_key_value_groups` (GQA expansion), per-head tensors such as
+    `module.sinks`, and flash reads `module.config._attn_implementation`; all differ on the
+    full-sequence/local-heads side, and a view avoids mutating the real module or the shared config.
     """
 
-    def __init__(self, module: torch.nn.Module, kv_groups: int, kernel_name: str) -> None:
+    def __init__(self, module: torch.nn.Module, kv_groups: int, kernel_name: str, heads: slice) -> None:
         self._module = module
+        self._heads = heads
         self.num_key_value_groups = kv_groups
         self.config = _ConfigView(module.config, kernel_name) if hasattr(module, "config") else None
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
+        value = getattr(self._module, name)
+        if name in PER_HEAD_ATTRS and isinstance(value, torch.Tensor):
+            return value[self._heads]  # a differentiable slice: this rank's heads only
+        return value
 
 
 class _ConfigView:
@@ -167,7 +177,11 @@ def ulysses_attention(
     layout = head_layout(num_heads, key.shape[1], ws)
     q, k, v = _exchange_qkv(query, key, value, layout, groups)
     mask, kernel_kwargs = kernel_inputs(family, context, q, kwargs)
-    view = _KernelModuleView(module, layout.kv_groups_local, kernel_name)
+    heads = slice(groups.sp_rank * layout.q_local, (groups.sp_rank + 1) * layout.q_local)
+    for name in PER_HEAD_KWARGS:
+        if isinstance(kernel_kwargs.get(name), torch.Tensor):
+            kernel_kwargs[name] = kernel_kwargs[name][heads]
+    view = _KernelModuleView(module, layout.kv_groups_local, kernel_name, heads)
     out, _ = kernel(view, q, k, v, mask, **kernel_kwargs)  # [bs, sl, hc_l, hs_v]
     out = all_to_all(out, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, sl_l, hc, hs_v]
     return out, None

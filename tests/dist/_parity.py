@@ -71,7 +71,13 @@ MODEL_SPECS = (
     ModelSpec("mistral", 8, 2, 256, "gqa"),
     ModelSpec("mistral", 4, 1, 64, "mqa"),
 )
-SPECS_BY_ID = {spec.id: spec for spec in MODEL_SPECS}
+# Kernels that read more than q, k and v (see tests/_models.py), with the kernels they support.
+EXTRA_SPECS = (
+    (ModelSpec("gpt_oss", 4, 2, 64, "sinks"), ("eager",)),
+    (ModelSpec("deepseek_v3", 4, 4, 64, "mla"), ("sdpa", "eager")),
+    (ModelSpec("gemma2", 4, 2, 64, "softcap"), ("eager",)),
+)
+SPECS_BY_ID = {spec.id: spec for spec in MODEL_SPECS + tuple(spec for spec, _ in EXTRA_SPECS)}
 
 
 @dataclass
@@ -155,23 +161,39 @@ CASE_NAMES = ("seq37", "padded_bs2", "packed3", "completion_only", "one_label")
 COMBOS = tuple(
     [(spec.id, "sdpa", case) for spec in MODEL_SPECS for case in CASE_NAMES]
     + [(spec.id, "eager", "packed3") for spec in MODEL_SPECS]
+    + [(spec.id, attn, case) for spec, kernels in EXTRA_SPECS for attn in kernels for case in ("seq37", "packed3")]
 )
 
 
-def document_causal_mask(case: Case) -> torch.Tensor:
-    """Additive float `[bs, 1, sl, sl]`: query i sees key j <= i of its own document (padding: id -1)."""
+def document_causal_mask(case: Case, window: int | None = None) -> torch.Tensor:
+    """Additive float `[bs, 1, sl, sl]`: query i sees key j <= i of its own document (padding: id -1),
+    and with `window` only keys with i - j < window."""
     sl = case.doc_ids.shape[1]
     idx = torch.arange(sl)
     causal = idx[:, None] >= idx[None, :]
+    if window is not None:
+        causal = causal & (idx[:, None] - idx[None, :] < window)
     same_doc = case.doc_ids[:, :, None] == case.doc_ids[:, None, :]
     allowed = causal & same_doc
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
 
 
+def reference_mask(model: torch.nn.Module, case: Case) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The explicit mask; a mapping per layer type where the model alternates sliding and full layers
+    (an explicit 4-D mask would otherwise drop the sliding windows)."""
+    config = model.config
+    if getattr(config, "layer_types", None) and getattr(config, "sliding_window", None):
+        return {
+            "full_attention": document_causal_mask(case),
+            "sliding_attention": document_causal_mask(case, config.sliding_window),
+        }
+    return document_causal_mask(case)
+
+
 def reference_loss_and_grads(model: torch.nn.Module, case: Case) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
     """The unsharded run: explicit document-causal mask, mean CE over the hand-built shift labels."""
     model.zero_grad(set_to_none=True)
-    mask = document_causal_mask(case)
+    mask = reference_mask(model, case)
     ids = case.batch["input_ids"]
     logits = model(input_ids=ids, position_ids=case.position_ids, attention_mask=mask).logits
     loss = F.cross_entropy(logits.flatten(0, 1), case.shift_labels.flatten(), ignore_index=IGNORE)
