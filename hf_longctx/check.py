@@ -293,27 +293,43 @@ def _step(model: torch.nn.Module, shard: dict[str, Any], groups: Any) -> tuple[t
     logits = model(**shard).logits
     loss = sequence_parallel_loss(logits, shift_labels, groups)
     loss.backward()
+    return loss.detach(), _take_grads(model)
+
+
+def _take_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every parameter's gradient (zeros where none), then clear them."""
     grads = {
         n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()
     }
     model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
+    return grads
 
 
 def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> StepResult:
-    """The SP=1 reference: the full batch through the library's single-rank path.
+    """The SP=1 reference: the plain model (hf_longctx not enabled), one forward per document.
 
-    `enable_sequence_parallel(model, SequenceParallelGroups.single())` makes packed documents use
-    the same document-causal mask as the SP run, without any collective.
+    The model builds its own masks (causal, sliding window, chunked), so SP is compared with what
+    the model itself computes, not with the library's single-rank path. A packed row is run as
+    separate documents, each with positions from 0, and the logits are concatenated: the ground
+    truth packing stands for, whether or not the model's own mask code detects packed rows (some
+    ignore `position_ids` and would attend across documents).
     """
-    from .attention.registry import enable_sequence_parallel
-    from .data.sharding import shard_batch_for_rank
+    from .data.sharding import document_starts, shard_batch_for_rank
     from .groups import SequenceParallelGroups
+    from .loss import sequence_parallel_loss
 
-    single = SequenceParallelGroups.single()
-    with enable_sequence_parallel(model, single):
-        loss, grads = _step(model, shard_batch_for_rank(batch, 0, 1), single)
-    return StepResult(loss.item(), grads, weights_sha256(model))
+    full = shard_batch_for_rank(batch, 0, 1)
+    ids, pos, shift_labels = full["input_ids"], full["position_ids"], full["shift_labels"]
+    starts = document_starts(pos)
+    if not bool((starts == starts[:1]).all()):
+        raise ValueError("reference_step: every row must share one document layout (see make_batch).")
+    bounds = [*torch.nonzero(starts[0]).flatten().tolist(), ids.shape[1]]
+    model.zero_grad(set_to_none=True)
+    segments = zip(bounds[:-1], bounds[1:], strict=True)
+    logits = torch.cat([model(input_ids=ids[:, s:e], position_ids=pos[:, s:e]).logits for s, e in segments], dim=1)
+    loss = sequence_parallel_loss(logits, shift_labels, SequenceParallelGroups.single())
+    loss.backward()
+    return StepResult(loss.item(), _take_grads(model), weights_sha256(model))
 
 
 def valid_labels_per_rank(batch: Mapping[str, torch.Tensor], sp: int) -> list[int]:

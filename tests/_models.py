@@ -2,7 +2,8 @@
 
 llama, qwen3 and mistral are the main shapes; gpt_oss (attention sinks, MoE, eager only),
 deepseek_v3 (MLA: value head dim differs from query/key) and gemma2 (logit soft-capping and
-alternating sliding windows, eager only) cover kernels that read more than q, k and v.
+alternating sliding windows, eager only) and llama4 (chunked attention layers) cover kernels that
+read more than q, k and v, or layers whose mask comes from their layer type.
 
 `tiny_model` is the one factory: it seeds before building, so every rank of a distributed test (and
 the SP=1 reference in the same test) gets identical weights.
@@ -18,6 +19,8 @@ from transformers import (
     Gemma2ForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -35,6 +38,7 @@ ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "llama4": (Llama4TextConfig, Llama4ForCausalLM),
 }
 
 
@@ -60,6 +64,14 @@ def _arch_extras(arch: str, hidden: int, num_heads: int) -> dict:
             "first_k_dense_replace": 1,
             "n_group": 1,
             "topk_group": 1,
+        }
+    if arch == "llama4":
+        # a chunked layer (chunks of 8 positions) and a full one; MoE with 2 experts
+        return {
+            "layer_types": ["chunked_attention", "full_attention"],
+            "attention_chunk_size": 8,
+            "num_local_experts": 2,
+            "intermediate_size_mlp": 2 * hidden,
         }
     if arch == "gemma2":
         return {"sliding_window": 8, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": head_dim}

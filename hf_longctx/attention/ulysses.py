@@ -16,7 +16,7 @@ import torch
 
 from ..comm import all_to_all
 from ..groups import SequenceParallelGroups
-from .kernels import SequenceContext, kernel_inputs
+from .kernels import SequenceContext, attention_chunk_size, kernel_inputs
 
 
 def valid_sp_sizes(num_heads: int) -> list[int]:
@@ -176,7 +176,7 @@ def ulysses_attention(
         )
     layout = head_layout(num_heads, key.shape[1], ws)
     q, k, v = _exchange_qkv(query, key, value, layout, groups)
-    mask, kernel_kwargs = kernel_inputs(family, context, q, kwargs)
+    mask, kernel_kwargs = kernel_inputs(family, context, q, kwargs, attention_chunk_size(module))
     heads = slice(groups.sp_rank * layout.q_local, (groups.sp_rank + 1) * layout.q_local)
     for name in PER_HEAD_KWARGS:
         if isinstance(kernel_kwargs.get(name), torch.Tensor):

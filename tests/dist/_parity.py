@@ -76,6 +76,7 @@ EXTRA_SPECS = (
     (ModelSpec("gpt_oss", 4, 2, 64, "sinks"), ("eager",)),
     (ModelSpec("deepseek_v3", 4, 4, 64, "mla"), ("sdpa", "eager")),
     (ModelSpec("gemma2", 4, 2, 64, "softcap"), ("eager",)),
+    (ModelSpec("llama4", 4, 2, 64, "chunked"), ("sdpa", "eager")),
 )
 SPECS_BY_ID = {spec.id: spec for spec in MODEL_SPECS + tuple(spec for spec, _ in EXTRA_SPECS)}
 
@@ -165,9 +166,9 @@ COMBOS = tuple(
 )
 
 
-def document_causal_mask(case: Case, window: int | None = None) -> torch.Tensor:
+def document_causal_mask(case: Case, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """Additive float `[bs, 1, sl, sl]`: query i sees key j <= i of its own document (padding: id -1),
-    and with `window` only keys with i - j < window."""
+    with `window` only keys with i - j < window, with `chunk` only keys in the same chunk of positions."""
     sl = case.doc_ids.shape[1]
     idx = torch.arange(sl)
     causal = idx[:, None] >= idx[None, :]
@@ -175,6 +176,9 @@ def document_causal_mask(case: Case, window: int | None = None) -> torch.Tensor:
         causal = causal & (idx[:, None] - idx[None, :] < window)
     same_doc = case.doc_ids[:, :, None] == case.doc_ids[:, None, :]
     allowed = causal & same_doc
+    if chunk is not None:
+        block = case.position_ids // chunk
+        allowed = allowed & (block[:, :, None] == block[:, None, :])
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
 
 
@@ -182,6 +186,11 @@ def reference_mask(model: torch.nn.Module, case: Case) -> torch.Tensor | dict[st
     """The explicit mask; a mapping per layer type where the model alternates sliding and full layers
     (an explicit 4-D mask would otherwise drop the sliding windows)."""
     config = model.config
+    if "chunked_attention" in (getattr(config, "layer_types", None) or []):
+        return {
+            "full_attention": document_causal_mask(case),
+            "chunked_attention": document_causal_mask(case, chunk=config.attention_chunk_size),
+        }
     if getattr(config, "layer_types", None) and getattr(config, "sliding_window", None):
         return {
             "full_attention": document_causal_mask(case),

@@ -1,0 +1,112 @@
+"""Run `hf-longctx check` on tiny configs of many transformers decoder architectures.
+
+    python scripts/check_architectures.py                       # SP=2, packed rows, sdpa (eager where sdpa is missing)
+    python scripts/check_architectures.py --sp 4 --attn eager llama gpt_oss deepseek_v3
+
+Each architecture gets a small config built offline with `AutoConfig.for_model` (2 layers, hidden 64,
+4 query / 2 key-value heads, vocab 256, a few experts for MoE models), written to a temporary folder and
+checked in its own `hf-longctx check` process. Prints one line per architecture and a summary; exits 1 if
+any check FAILed or crashed (INVALID, i.e. exit 2, is an expected refusal and is listed separately).
+About 15 s per architecture at SP=2 on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    # default configs carry special-token ids of their full vocabulary
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+EXTRA = {
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+    # MLA with a value head dim different from the query/key head dim (nope + rope)
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "head_dim": 8,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "llama4_text": {"attention_chunk_size": 16, "num_local_experts": 2, "intermediate_size_mlp": 128},
+    "gemma2": {"sliding_window": 16},
+    "gemma3_text": {"sliding_window": 16},
+    "mistral": {"sliding_window": 16},
+    "cohere2": {"sliding_window": 16},
+    # token mixers outside attention: these must be refused (INVALID)
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "minimax": {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2},
+}
+EAGER_ONLY = {"gemma2", "gpt_oss"}  # transformers offers no sdpa path for them
+DEFAULT_TYPES = (
+    "llama llama4_text mistral ministral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi phi3 "
+    "olmo olmo2 olmo3 olmoe cohere cohere2 granite granitemoe glm glm4 glm4_moe starcoder2 stablelm gpt_oss "
+    "deepseek_v3 smollm3 ernie4_5 helium exaone4 seed_oss arcee apertus hunyuan_v1_dense hunyuan_v1_moe nemotron "
+    "jetmoe bitnet "
+    # expected refusals (token mixing outside attention)
+    "lfm2 minimax falcon_h1 qwen3_next granitemoehybrid bamba jamba recurrent_gemma"
+).split()
+
+
+def write_config(model_type: str, folder: Path) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **{**BASE, **EXTRA.get(model_type, {})}).save_pretrained(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_types", nargs="*", default=DEFAULT_TYPES)
+    parser.add_argument("--sp", type=int, default=2)
+    parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
+    parser.add_argument("--no-packed", action="store_true", help="one document per row instead of 3 packed")
+    args = parser.parse_args(argv)
+    outcome: dict[str, list[str]] = {"PASS": [], "INVALID": [], "FAIL": []}
+    with tempfile.TemporaryDirectory(prefix="hf_longctx_archs_") as tmp:
+        for model_type in args.model_types:
+            folder = Path(tmp) / model_type
+            try:
+                write_config(model_type, folder)
+            except Exception as exc:  # an architecture this transformers version does not know
+                print(f"{model_type:>18}: FAIL (config: {exc!r:.200})", flush=True)
+                outcome["FAIL"].append(model_type)
+                continue
+            attn = "eager" if model_type in EAGER_ONLY else args.attn
+            cmd = ["hf-longctx", "check", "--model", str(folder), "--sp", str(args.sp), "--attn", attn]
+            cmd += [] if args.no_packed else ["--packed"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+            verdict = {0: "PASS", 2: "INVALID"}.get(proc.returncode, "FAIL")
+            outcome[verdict].append(model_type)
+            said = [ln for ln in lines if ln.startswith(("PASS", "FAIL", "INVALID"))] or lines or [""]
+            print(f"{model_type:>18}: {verdict} ({attn}) {said[-1][:220]}", flush=True)
+    print(" | ".join(f"{k} {len(v)}: {' '.join(v)}" for k, v in outcome.items()))
+    return 1 if outcome["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
