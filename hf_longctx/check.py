@@ -214,7 +214,10 @@ def shrink_config(config: Any, *, layers: int, hidden: int, min_positions: int, 
     if getattr(text, "max_position_embeddings", None) is not None and text.max_position_embeddings < min_positions:
         text.max_position_embeddings = min_positions
     for key, value in text.to_dict().items():
-        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value != 0.0:
+        # dropout and router/input jitter noise draw random numbers in train mode: SP and the reference
+        # would draw different ones
+        random_in_training = "dropout" in key or key.endswith("pdrop") or "jitter" in key
+        if random_in_training and isinstance(value, float) and value != 0.0:
             setattr(text, key, 0.0)
             notes.append(f"{key} {value} -> 0")
     text.use_cache = False

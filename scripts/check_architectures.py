@@ -39,6 +39,7 @@ EXTRA = {
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
     # MLA with a value head dim different from the query/key head dim (nope + rope)
     "deepseek_v3": {
+        "num_key_value_heads": 4,  # MLA: keys and values have one head per query head
         "n_routed_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
@@ -66,7 +67,7 @@ DEFAULT_TYPES = (
     "llama llama4_text mistral ministral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi phi3 "
     "olmo olmo2 olmo3 olmoe cohere cohere2 granite granitemoe glm glm4 glm4_moe starcoder2 stablelm gpt_oss "
     "deepseek_v3 smollm3 ernie4_5 helium exaone4 seed_oss arcee apertus hunyuan_v1_dense hunyuan_v1_moe nemotron "
-    "jetmoe bitnet "
+    "jetmoe bitnet phimoe "
     # expected refusals (token mixing outside attention)
     "lfm2 minimax falcon_h1 qwen3_next granitemoehybrid bamba jamba recurrent_gemma"
 ).split()
