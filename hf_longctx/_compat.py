@@ -53,3 +53,11 @@ def resolve_kernel(name: str, module: torch.nn.Module) -> Callable[..., Any]:
             f"{type(module).__name__} has no eager_attention_forward next to it; load the model with sdpa."
         )
     return fn
+
+
+def all_gather_into_tensor() -> Callable[..., Any]:
+    """torch.distributed's gather-into-one-tensor collective: `all_gather_single` since torch 2.13 (which
+    deprecates the older name with a FutureWarning per call), `all_gather_into_tensor` before."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,17 +1,56 @@
-"""Communication primitives of the SP path, as autograd functions.
+"""Every collective hf_longctx issues goes through this module.
 
-`all_to_all(x, scatter_dim, gather_dim, group)` is the main one: it splits `x` into P equal
-chunks along `scatter_dim`, sends chunk `i` to rank `i` and concatenates what it receives along
-`gather_dim` in rank order. Its backward is the inverse all-to-all. `all_gather_sequence` is the
-non-differentiable gather used for integer metadata (position ids).
+`all_to_all(x, scatter_dim, gather_dim, group)` is the main one: it splits `x` into P equal chunks
+along `scatter_dim`, sends chunk `i` to rank `i` and concatenates what it receives along
+`gather_dim` in rank order; its backward is the inverse all-to-all. The others are
+non-differentiable helpers for metadata, checks and metrics. All of them:
+
+- put tensors on a device the group's backend accepts (`group_device`): NCCL only takes CUDA
+  tensors, gloo CPU ones, and a CPU tensor handed to NCCL fails at run time on GPU only;
+- return results on the caller's device;
+- are counted by `instrument.record_collectives` (calls, bytes, seconds);
+- treat `group=None` (or a group of one rank) as "no communication".
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
+from . import _compat
 from .instrument import CollectiveStats, active_recorder, timed_collective
+
+# Device types each torch.distributed backend accepts; a backend string may list several
+# ("cpu:gloo,cuda:nccl" when init_process_group() is called without a backend).
+_BACKEND_DEVICES = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu"}
+
+
+def _solo(group: dist.ProcessGroup | None) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def group_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
+    """The device a collective on `group` needs for a tensor that lives on `like`.
+
+    `like` itself when the group's backend accepts its device type; otherwise the backend's own
+    device (the current CUDA device for NCCL, the CPU for gloo). Unknown backends keep `like`.
+    """
+    if group is None:
+        return like
+    parts = [p.split(":")[-1].strip().lower() for p in str(dist.get_backend(group)).split(",")]
+    accepted = {_BACKEND_DEVICES[p] for p in parts if p in _BACKEND_DEVICES}
+    if not accepted or like.type in accepted:
+        return like
+    if "cuda" in accepted:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x.to(group_device(group, x.device)).contiguous()
 
 
 def _all_to_all_forward(
@@ -22,12 +61,16 @@ def _all_to_all_forward(
     if size % ws != 0:
         raise ValueError(f"all_to_all: dim {scatter_dim} of size {size} is not divisible by the group size {ws}.")
     # [..., ws * c, ...] -> [ws, ..., c, ...]: chunk i (for rank i) becomes contiguous block i.
-    send = x.unflatten(scatter_dim, (ws, size // ws)).movedim(scatter_dim, 0).contiguous()
+    send = _to_group(x.unflatten(scatter_dim, (ws, size // ws)).movedim(scatter_dim, 0), group)
+    if torch.compiler.is_compiling():
+        # torch.compile traces functional collectives into the graph; c10d calls would break it.
+        recv = funcol.wait_tensor(funcol.all_to_all_single(send.flatten(0, 1), None, None, group)).view_as(send)
+        return recv.to(x.device).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
     recv = torch.empty_like(send)
     with timed_collective("all_to_all", send, (ws - 1) / ws, stats):
         dist.all_to_all_single(recv, send, group=group)
     # recv[j] came from rank j: put the rank axis right before gather_dim and merge them.
-    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    return recv.to(x.device).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -58,9 +101,32 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.P
     Raises:
         ValueError: `scatter_dim` is not divisible by the group size.
     """
-    if group is None or dist.get_world_size(group) == 1:
+    if _solo(group):
         return x
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's `x` (equal shapes), stacked in rank order as `[ws, *x.shape]` (no autograd).
+
+    Args:
+        x: the local tensor; every rank of `group` passes the same shape and dtype.
+        group: the process group; `None` gives `x.unsqueeze(0)`.
+
+    Returns:
+        The stacked tensor, on `x`'s device.
+    """
+    if _solo(group):
+        return x.detach().unsqueeze(0)
+    ws = dist.get_world_size(group)
+    local = _to_group(x.detach().reshape(1, -1), group)
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_gather_tensor(local, 0, group)).view(ws, *x.shape).to(x.device)
+    out = torch.empty((ws, local.shape[1]), dtype=local.dtype, device=local.device)
+    with timed_collective("all_gather", local, ws - 1):  # each shard reaches ws - 1 ranks
+        # gloo wants the output as the inputs concatenated along dim 0: flatten each rank's tensor.
+        _compat.all_gather_into_tensor()(out, local, group=group)
+    return out.view(ws, *x.shape).to(x.device)
 
 
 def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> torch.Tensor:
@@ -74,20 +140,31 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     Returns:
         The global tensor, shards in rank order.
     """
-    if group is None or dist.get_world_size(group) == 1:
+    if _solo(group):
         return x
-    ws = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(ws)]
-    with timed_collective("all_gather", x, ws - 1):  # each shard reaches ws - 1 ranks
-        dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(all_gather_stacked(x, group).unbind(0), dim=dim)
 
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum `x` over `group` out of place and without autograd; `None` returns a copy of `x`."""
-    out = x.detach().clone()
-    if group is not None and dist.get_world_size(group) > 1:
+    out = _to_group(x.detach().clone(), group)
+    if not _solo(group):
         ws = dist.get_world_size(group)
         with timed_collective("all_reduce", out, 2 * (ws - 1) / ws):  # ring all-reduce volume
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out.to(x.device)
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order; `[obj]` without a group."""
+    if _solo(group):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def barrier(group: dist.ProcessGroup | None) -> None:
+    """Wait until every rank of `group` arrives (no-op without a group)."""
+    if not _solo(group):
+        dist.barrier(group=group)

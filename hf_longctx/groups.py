@@ -13,19 +13,19 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 
-def validate_sp_size(sp_size: int, world_size: int) -> None:
-    """Raise a `ValueError` naming the fix when `sp_size` cannot split `world_size` ranks.
+def validate_sp_size(sp_size: int, world_size: int | None = None) -> None:
+    """Raise a `ValueError` naming the fix when `sp_size` is not a valid SP degree for `world_size` ranks.
 
     Args:
         sp_size: requested sequence-parallel degree.
-        world_size: number of ranks in the job.
+        world_size: number of ranks in the job; None checks `sp_size` alone (before launch).
 
     Raises:
         ValueError: `sp_size` is not a positive integer or does not divide `world_size`.
     """
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
         raise ValueError(f"sp_size must be an integer >= 1, got {sp_size!r}.")
-    if world_size % sp_size != 0:
+    if world_size is not None and world_size % sp_size != 0:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
             f"sp_size={sp_size} does not divide the world size {world_size}; "
@@ -94,6 +94,19 @@ class SequenceParallelGroups:
     def single(cls) -> SequenceParallelGroups:
         """Groups for a single process without `torch.distributed` (SP=1, DP=1): the reference run."""
         return cls(sp_group=None, sp_rank=0, sp_world_size=1, dp_group=None, dp_rank=0, dp_world_size=1)
+
+    def destroy(self) -> None:
+        """Destroy the SP and DP groups of this rank (local: other ranks destroy theirs themselves).
+
+        Safe to call twice and after `torch.distributed` itself was shut down.
+        """
+        for group in (self.sp_group, self.dp_group):
+            if group is None or not dist.is_initialized():
+                continue
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # already destroyed (e.g. with the default group)
+                pass
 
     @property
     def sp_enabled(self) -> bool:

@@ -62,7 +62,13 @@ def record_collectives(stats: CollectiveStats | None = None) -> Iterator[Collect
 
 
 def active_recorder() -> CollectiveStats | None:
-    """The recorder of the current context (autograd functions keep it for their backward)."""
+    """The recorder of the current context (autograd functions keep it for their backward).
+
+    None under `torch.compile`: counters are host-side Python state that the compiler cannot trace
+    (reading the context variable alone would break the graph), so compiled regions are not counted.
+    """
+    if torch.compiler.is_compiling():
+        return None
     return _RECORDER.get()
 
 
@@ -76,7 +82,7 @@ def timed_collective(
     autograd functions pass the recorder they saw in forward as `stats`. On CUDA the time is the
     host-side time unless the caller synchronises; on CPU/gloo it is the wall time.
     """
-    stats = stats if stats is not None else _RECORDER.get()
+    stats = stats if stats is not None else active_recorder()
     if stats is None:
         yield
         return

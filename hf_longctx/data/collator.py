@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .loader import SIGNATURE_KEY, batch_signature
+from .consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY, batch_signature
 from .sharding import shard_batch_for_rank
 
 
@@ -21,7 +21,8 @@ class SequenceShardingCollator:
 
     The shard carries `labels` = `shift_labels` (pre-shifted on the full sequence; HF losses and
     TRL use `shift_labels` as-is and Trainer counts them), an `attention_mask` that is 0 on the
-    padding added for the SP size, and the full batch's signature for the cross-rank check.
+    padding added for the SP size, the full batch's signature for the cross-rank check, and this
+    rank's slice of the unshifted labels (what evaluation returns as `label_ids`).
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], sp_rank: int, sp_world_size: int, pad_token_id: int = 0):
@@ -39,6 +40,8 @@ class SequenceShardingCollator:
         if "attention_mask" not in batch and isinstance(batch.get("input_ids"), torch.Tensor):
             # Padding-free batches have no mask; one of ones lets Trainer/TRL count real tokens exactly.
             batch["attention_mask"] = torch.ones_like(batch["input_ids"], dtype=torch.long)
+        if isinstance(batch.get("labels"), torch.Tensor):
+            batch[ORIGINAL_LABELS_KEY] = batch["labels"]  # sliced like every sequence tensor
         shard = shard_batch_for_rank(batch, self.sp_rank, self.sp_world_size, pad_token_id=self.pad_token_id)
         if "shift_labels" in shard:
             shard["labels"] = shard["shift_labels"]

@@ -12,15 +12,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ..comm import all_gather_stacked
 from ..groups import SequenceParallelGroups
-from ..instrument import timed_collective
 from .sharding import shard_batch_for_rank
 
 _SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
 # A batch may carry its full-batch signature under this key; the model pre-hook pops and checks it.
 SIGNATURE_KEY = "hf_longctx_batch_signature"
+# The Trainer collator also keeps this rank's slice of the unshifted labels here, so that evaluation returns
+# the labels a run without SP returns (`labels` itself holds the pre-shifted ones the loss needs).
+ORIGINAL_LABELS_KEY = "hf_longctx_labels"
+# Keys the model never sees: the SP forward pre-hook removes them.
+PRIVATE_KEYS = (SIGNATURE_KEY, ORIGINAL_LABELS_KEY)
 
 
 def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -41,10 +45,7 @@ def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
 
 def _raise_on_mismatch(values: torch.Tensor, fields: tuple[str, ...], groups: SequenceParallelGroups) -> None:
     # One all-gather of a fixed-size tensor: it cannot hang on mismatched shapes.
-    everyone = [torch.empty_like(values) for _ in range(groups.sp_world_size)]
-    with timed_collective("all_gather", values, groups.sp_world_size - 1):
-        dist.all_gather(everyone, values, group=groups.sp_group)
-    table = torch.stack(everyone).cpu()
+    table = all_gather_stacked(values, groups.sp_group).cpu()
     differs = [name for i, name in enumerate(fields) if bool((table[:, i] != table[0, i]).any())]
     if differs:
         per_rank = {r: table[r].tolist() for r in range(groups.sp_world_size)}
