@@ -6,10 +6,11 @@ through `ParallelismConfig`) is what switches a model to sequence-parallel atten
 
 from .attention.registry import SequenceParallelHandle, enable_sequence_parallel
 from .config import ParallelismConfig
-from .data.loader import shard_batch
+from .data.consistency import shard_batch
 from .data.sharding import IGNORE_INDEX
 from .groups import SequenceParallelGroups
 from .loss import sequence_parallel_loss
+from .trainer.patches import takes_shifted_labels
 
 __all__ = [
     "IGNORE_INDEX",
@@ -19,5 +20,6 @@ __all__ = [
     "enable_sequence_parallel",
     "sequence_parallel_loss",
     "shard_batch",
+    "takes_shifted_labels",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from accelerate.parallelism_config import ParallelismConfig as _AccelerateParallelismConfig
 
-OUR_BACKENDS = ("ulysses",)
+from .attention.registry import BACKENDS as OUR_BACKENDS
+from .groups import validate_sp_size
+
 UPSTREAM_BACKENDS = ("deepspeed",)
 
 
@@ -30,8 +32,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
-            raise ValueError(f"sp_size must be an integer >= 1, got {self.sp_size!r}.")
+        validate_sp_size(self.sp_size)
         if self.sp_backend not in OUR_BACKENDS + UPSTREAM_BACKENDS:
             raise ValueError(
                 f"Unknown sp_backend {self.sp_backend!r}; set sp_backend to one of "
@@ -56,18 +57,18 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         """accelerate's mesh without an SP axis: our SP groups are built by `SequenceParallelGroups`."""
         if self.sp_upstream:
             return super().build_device_mesh(device_type)
-        from .trainer import _sp_hidden
+        from .trainer import sp_hidden
 
-        with _sp_hidden(self):
+        with sp_hidden(self):
             return super().build_device_mesh(device_type)
 
     def _validate_accelerator(self, accelerator) -> None:
         """Called by `Accelerator.__init__`: validate, then hook hf_longctx SP into that accelerator."""
         if self.sp_upstream:
             return super()._validate_accelerator(accelerator)
-        from .trainer import _sp_hidden, attach
+        from .trainer import attach, sp_hidden
 
-        with _sp_hidden(self):
+        with sp_hidden(self):
             if accelerator.is_fsdp2 and self.dp_shard_size == 1 and self.dp_replicate_size == 1:
                 # FSDP2 shards parameters over every rank (SP ranks included): give accelerate its
                 # usual dp_shard mesh axis over the whole world, built now that the size is known.

@@ -20,7 +20,8 @@ class _GroupSum(torch.autograd.Function):
     """Forward: the sum of `x` over the group. Backward: the incoming gradient times `grad_scale`.
 
     The exact adjoint of an all-reduce would all-reduce P identical gradients, i.e. multiply by P;
-    this gives the same result without a collective in backward.
+    a constant gives the same result without a collective in backward, and also lets the caller
+    pre-compensate the data-parallel engine's gradient average.
     """
 
     @staticmethod
@@ -44,20 +45,30 @@ def sequence_parallel_loss(
     groups: SequenceParallelGroups,
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy summed over the SP group and divided by the global number of valid tokens.
+    """Cross-entropy summed over the SP group and divided by a token count, for a custom training loop.
+
+    Two contracts, both exact after the usual gradient average over all ranks (what DDP, FSDP and ZeRO
+    do, with every rank, SP ranks included, a data-parallel rank of the engine):
+
+    - `num_items_in_batch=None`: the denominator is the SP group's valid-token count, so each DP
+      group computes the mean over its own batch and the averaged gradient is the mean of those
+      per-batch gradients (plain DDP semantics).
+    - `num_items_in_batch=N`: `N` is the valid-token count of everything whose gradients are averaged
+      together: all DP ranks' batches (and every micro-batch of a gradient-accumulation window). The
+      averaged gradient is then the gradient of (sum of every token loss) / N, the single-device
+      global token mean (Trainer semantics). The returned value is this SP group's part of it: sum it
+      over `groups.dp_group` (and the window) to log the global loss.
 
     Args:
         logits: `[bs, sl_l, vocab]` logits of this rank's shard.
         shift_labels: `[bs, sl_l]` pre-shifted labels of the shard (`IGNORE_INDEX` = no loss).
         groups: the SP/DP groups; the sum runs over `groups.sp_group`.
-        num_items_in_batch: the denominator to use instead of the SP group's valid-token count,
-            e.g. the count over DP ranks and a gradient-accumulation window (Trainer semantics).
+        num_items_in_batch: None, or the global valid-token count described above.
 
     Returns:
-        A scalar, identical on every rank of the SP group: the group's summed token loss divided
-        by the denominator. Its gradient is scaled by the SP size, so averaging gradients over
-        the SP group (what DDP, FSDP and ZeRO do) yields exactly the single-device gradient. A
-        shard without any valid label contributes 0, never NaN, and still back-propagates.
+        A scalar, identical on every rank of the SP group: the group's summed token loss divided by
+        the denominator. A shard without any valid label contributes 0, never NaN, and still
+        back-propagates.
 
     Raises:
         ValueError: `logits` and `shift_labels` disagree on `[bs, sl_l]`.
@@ -70,10 +81,14 @@ def sequence_parallel_loss(
     local_sum = F.cross_entropy(
         logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    total = _GroupSum.apply(local_sum, groups.sp_group, float(groups.sp_world_size))
     if num_items_in_batch is None:
         denom = count_valid_tokens(labels, groups.sp_group)
+        # The engine averages over sp x dp ranks; each DP group's mean must count once per DP group.
+        grad_scale = groups.sp_world_size
     else:
         denom = torch.as_tensor(num_items_in_batch, device=logits.device)
+        # N already spans every DP rank: undo the engine's whole average over sp x dp ranks.
+        grad_scale = groups.sp_world_size * groups.dp_world_size
+    total = _GroupSum.apply(local_sum, groups.sp_group, float(grad_scale))
     # A batch without any valid label: 0 with a connected graph, never 0 / 0.
     return total / denom.clamp(min=1).to(total.dtype)

@@ -18,7 +18,7 @@ import torch
 
 from .. import _compat
 from ..comm import all_gather_sequence
-from ..data.loader import SIGNATURE_KEY, check_shard_consistency
+from ..data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
 from ..groups import SequenceParallelGroups
 from .kernels import SequenceContext, kernel_family
 from .ulysses import check_heads, ulysses_attention
@@ -64,7 +64,9 @@ class SequenceParallelHandle:
 
     def _capture_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
         # Forward pre-hook: one shape check and one all-gather per forward, shared by every layer.
-        signature = kwargs.pop(SIGNATURE_KEY, None)
+        signature = kwargs.get(SIGNATURE_KEY)
+        for key in PRIVATE_KEYS:
+            kwargs.pop(key, None)
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(
@@ -128,6 +130,25 @@ def _attention_config(model: torch.nn.Module) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def check_model(model: torch.nn.Module, sp_size: int, backend: str = "ulysses") -> None:
+    """Every check `enable_sequence_parallel` makes on a model, without changing it.
+
+    Called as soon as a Trainer sees the model, so a model SP cannot run fails before weights
+    are moved, wrapped or trained.
+
+    Raises:
+        ValueError: unknown backend, an unsupported attention implementation, head counts
+            incompatible with `sp_size`, or token mixing outside attention.
+    """
+    _compat.check_versions()
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown sequence-parallel backend {backend!r}; available: {list(BACKENDS)}.")
+    config = _attention_config(model)
+    kernel_family(config._attn_implementation or "eager")
+    check_heads(config.num_attention_heads, sp_size)
+    check_token_mixers(model)
+
+
 def enable_sequence_parallel(
     model: torch.nn.Module, groups: SequenceParallelGroups, backend: str = "ulysses"
 ) -> SequenceParallelHandle:
@@ -149,17 +170,12 @@ def enable_sequence_parallel(
             implementation, head counts incompatible with the SP size, or token mixing outside
             attention (convolutions, state-space or linear-attention layers).
     """
-    _compat.check_versions()
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown sequence-parallel backend {backend!r}; available: {list(BACKENDS)}.")
     if getattr(model, _HANDLE_ATTR, None) is not None:
         raise ValueError("Sequence parallelism is already enabled on this model; call handle.remove() first.")
+    check_model(model, groups.sp_world_size, backend)
     config = _attention_config(model)
     kernel_name = config._attn_implementation or "eager"
     family = kernel_family(kernel_name)
-    num_heads = config.num_attention_heads
-    check_heads(num_heads, groups.sp_world_size)
-    check_token_mixers(model)
 
     key = f"{KEY_PREFIX}_{next(_keys)}"
     handle = SequenceParallelHandle(model, groups, key, kernel_name)

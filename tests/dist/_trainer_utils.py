@@ -9,12 +9,14 @@ can see: row ids it collated, local sequence lengths and valid labels per forwar
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any
 
 import torch
 
+import hf_longctx
 from tests._dist import run_distributed
 from tests._models import tiny_model
 
@@ -150,8 +152,6 @@ def sft_dataset(kind: str, n: int, seed: int = 5):
 
 
 def _parallelism(sp: int):
-    import hf_longctx
-
     return hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
 
 
@@ -173,11 +173,22 @@ def run_trainer(
     eval_data: tuple[tuple[str, int], ...] = (),
     save_steps: int | None = None,
     resume_from: str | None = None,
+    label_smoothing: float = 0.0,
+    subclass: bool = False,
+    loss_func: bool = False,
+    predict: tuple[str, int] | None = None,
+    fsdp2: bool = False,
+    gradient_checkpointing: bool = False,
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
     SGD runs without clipping (max_grad_norm=0: grad_norm is still logged), AdamW clips at 1.0.
     `epochs` set means an epoch-based run (max_steps unset). `resume_from` is a checkpoint directory.
+    `subclass` uses a Trainer subclass whose `prediction_step` post-processes `super()`'s result;
+    `loss_func` passes a `compute_loss_func` (the SP run's takes the pre-shifted labels, marked);
+    `predict` runs `trainer.predict` on that eval set with per-sample metric outputs. `fsdp2` goes through
+    accelerate's own FSDP2 route (`fully_shard` per decoder layer), which accelerate enables only on GPUs;
+    `accelerate_fsdp_on_cpu` lifts that for the test.
     """
     from transformers import Trainer, TrainingArguments
 
@@ -203,11 +214,24 @@ def run_trainer(
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
         remove_unused_columns=False,
+        label_smoothing_factor=label_smoothing,
+        gradient_checkpointing=gradient_checkpointing,
         parallelism_config=_parallelism(sp),
+        **(FSDP2_ARGS if fsdp2 else {}),
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(*data), data_collator=collator)
+    trainer_cls = subclass_trainer() if subclass else Trainer
+    with accelerate_fsdp_on_cpu() if fsdp2 else contextlib.nullcontext():
+        trainer = trainer_cls(
+            model=model,
+            args=args,
+            train_dataset=dataset(*data),
+            data_collator=collator,
+            compute_loss_func=(shifted_loss if sp > 1 else unshifted_loss) if loss_func else None,
+            preprocess_logits_for_metrics=per_sample_outputs,
+        )
     trainer.train(resume_from_checkpoint=resume_from)
     result = {
+        "wrapped": type(trainer.model_wrapped).__name__,
         "logs": _logs(trainer, ("loss", "grad_norm", "learning_rate", "epoch")),
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
@@ -218,9 +242,15 @@ def run_trainer(
     }
     # Keyed by the eval set's size: an odd size leaves a partial last batch.
     result["eval_loss"] = {n: trainer.evaluate(dataset(kind, n))["eval_loss"] for kind, n in eval_data}
+    if predict is not None:
+        out = trainer.predict(dataset(*predict))
+        result["predict"] = {
+            "loss": out.metrics["test_loss"],
+            "first_tokens": out.predictions[0].tolist(),
+            "mean_logit": out.predictions[1].tolist(),
+            "label_ids": out.label_ids.tolist(),
+        }
     # detach() gives the model back for single-process use: its own attention, no pre-hook.
-    import hf_longctx.trainer
-
     hf_longctx.trainer.detach(trainer)
     result["attn_after_detach"] = model.config._attn_implementation
     result["hooks_after_detach"] = sum(
@@ -233,13 +263,89 @@ def run_trainer(
     return result
 
 
+FSDP2_ARGS = {
+    "fsdp": "full_shard",
+    "fsdp_config": {
+        "version": 2,
+        "reshard_after_forward": True,
+        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+    },
+}
+
+
+@contextlib.contextmanager
+def accelerate_fsdp_on_cpu():
+    """Let accelerate take its FSDP route on CPU processes (it does so only for GPU-like distributed types):
+    an `AcceleratorState` built with an FSDP plugin on MULTI_CPU is switched to FSDP, as on GPUs."""
+    from accelerate import state
+    from accelerate.utils import DistributedType
+
+    original = state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+
+    state.AcceleratorState.__init__ = init
+    try:
+        yield
+    finally:
+        state.AcceleratorState.__init__ = original
+
+
+def subclass_trainer() -> type:
+    """A Trainer subclass whose `prediction_step` calls super() and post-processes its result."""
+    from transformers import Trainer
+
+    class SubTrainer(Trainer):
+        # A user's override calling super(): hf_longctx must merge the SP group once, not twice.
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return loss * 1.0, logits, labels
+
+    return SubTrainer
+
+
+def per_sample_outputs(logits, labels):
+    """Per-sample metric outputs: argmax of the first 3 positions `[bs, 3]` and the mean logit `[bs]` over the
+    positions that predict a label (padding positions carry no label; their logits are not compared)."""
+    scored = (labels[:, 1:] != IGNORE).unsqueeze(-1).float()
+    mean = (logits[:, :-1].float() * scored).sum(dim=(1, 2)) / (scored.sum(dim=(1, 2)) * logits.shape[-1]).clamp(min=1)
+    return logits[:, :3].argmax(-1), mean
+
+
+def unshifted_loss(outputs, labels, num_items_in_batch=None):
+    """A user's loss over unshifted labels (what a run without SP passes), summed / num_items_in_batch."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(outputs.logits, labels, VOCAB, num_items_in_batch=num_items_in_batch)
+
+
+@hf_longctx.takes_shifted_labels
+def shifted_loss(outputs, labels, num_items_in_batch=None):
+    """The same loss for pre-shifted labels (what hf_longctx passes), marked for SP."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(outputs.logits, None, VOCAB, num_items_in_batch=num_items_in_batch, shift_labels=labels)
+
+
 def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
-    """The ValueError message (None: nothing raised) of each misconfigured Trainer construction."""
+    """The ValueError message (None: nothing raised) of each misconfiguration: Trainer construction, then
+    `train()` for the cases only `train()` can see (the Trainer's loss settings)."""
     from transformers import Trainer, TrainingArguments
 
-    cases = {"no_use_cpu": {"use_cpu": False, "sp": 2}, "sp3": {"use_cpu": True, "sp": 3}}
+    cases = {
+        "no_use_cpu": {"use_cpu": False, "sp": 2},
+        "sp3": {"use_cpu": True, "sp": 3},
+        # 3 query heads cannot be split over 2 ranks: refused when the Trainer first sees the model.
+        "heads3": {"use_cpu": True, "sp": 2, "model": {"num_heads": 3, "num_kv_heads": 1, "hidden": 48}},
+        # A compute_loss_func that may shift labels itself: refused at train().
+        "unmarked_loss": {"use_cpu": True, "sp": 2, "loss": unshifted_loss},
+    }
     messages: dict[str, str | None] = {}
     for name, case in cases.items():
+        stage = "init"
         try:
             args = TrainingArguments(
                 output_dir=os.path.join(out_dir, name),
@@ -250,10 +356,18 @@ def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
                 remove_unused_columns=False,
                 parallelism_config=_parallelism(case["sp"]),
             )
-            model, train = tiny_model("llama"), dataset("mixed", 4)
-            Trainer(model=model, args=args, train_dataset=train, data_collator=RecordingCollator())
+            model, train = tiny_model("llama", **case.get("model", {})), dataset("mixed", 4)
+            trainer = Trainer(
+                model=model,
+                args=args,
+                train_dataset=train,
+                data_collator=RecordingCollator(),
+                compute_loss_func=case.get("loss"),
+            )
+            stage = "train"
+            trainer.train()
         except ValueError as exc:
-            messages[name] = str(exc)
+            messages[name] = f"{stage}: {exc}"
         else:
             messages[name] = None
     return messages
@@ -297,8 +411,9 @@ def run_sft(
     """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
 
     `doc_exact` switches the model to hf_longctx attention at SP=1 (one rank, no collectives), which keeps
-    packed documents apart by construction: the packing reference. (transformers 5.24 sdpa does so too, but
-    only while no attention_mask is passed; UPSTREAM.md §6.)
+    packed documents apart by construction: the packing reference. (transformers 5.24 sdpa also keeps
+    them apart, but only when no attention_mask is passed and no cache exists: `create_causal_mask` detects
+    packing from position_ids only then.)
     `eval_data` maps a name to an eval set, each evaluated after training.
     """
     from trl import SFTConfig, SFTTrainer

@@ -27,12 +27,18 @@ CONFIGS = {
     "epoch": {"epochs": 1.0, "scheduler": "linear", "data": ("mixed", 12)},
     # 24 rows = 12 batches: the step-3 checkpoint is mid-epoch; AdamW + linear decay have state to restore.
     "resume_full": {"optim": "adamw_torch", "scheduler": "linear", "steps": 6, "save_steps": 3},
+    "smooth": {"label_smoothing": 0.1, "eval_data": (("eval", 7),)},
+    "subclass": {"subclass": True, "steps": 2, "eval_data": (("eval", 7),), "predict": ("eval", 7)},
+    "lossfn": {"loss_func": True, "steps": 3},
 }
 WORLD2_EXTRA = {
     "resume": {**CONFIGS["resume_full"], "sp": 2, "resume_from": "resume_full/checkpoint-3"},
-    "ddp": {"steps": 3},  # plain DDP over 2 ranks: the reference of DP=2 x SP=2
+    "ddp": {"steps": 3, "predict": ("eval", 7)},  # plain DDP over 2 ranks: the reference of DP=2 x SP=2
+    # accelerate's own FSDP2 route (fully_shard per layer) with gradient checkpointing; last: it changes the
+    # process's accelerate state.
+    "fsdp2": {"sp": 2, "steps": 3, "fsdp2": True, "gradient_checkpointing": True},
 }
-DPSP = {"dpsp": {"steps": 3, "sp": 2}}
+DPSP = {"dpsp": {"steps": 3, "sp": 2, "predict": ("eval", 7)}}
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +200,63 @@ def test_sp_size_not_dividing_world_raises_on_every_rank(out_root):
         assert "sp_size=3" in message
 
 
+def test_accelerate_fsdp2_route_with_checkpointing_sp2_matches_single_process(out_root, record_property):
+    """The pairing configs/fsdp2_sp8.yaml documents: accelerate's FSDP2 preparation (fully_shard) plus the
+    recipe's gradient_checkpointing, at SP=2, equals the single-process run step by step."""
+    ref = _world(1, out_root)[0]["sgd"]
+    worst: dict[str, float] = {}
+    for result in (rank_results["fsdp2"] for rank_results in _world(2, out_root)):
+        assert result["wrapped"].startswith("FSDP"), result["wrapped"]  # fully_shard really applied
+        for key, value in U.compare_logs(result["logs"], ref["logs"][:3], ("loss", "grad_norm"), RTOL).items():
+            worst[key] = max(worst.get(key, 0.0), value)
+    record_property("max_rel_diff", worst)
+
+
+def test_heads_not_divisible_refused_when_the_trainer_is_built(out_root):
+    for rank_results in _world(2, out_root):
+        message = rank_results["errors"]["heads3"]
+        assert message is not None and message.startswith("init: "), message
+        assert "num_attention_heads (3) divisible by sp_size (2)" in message
+
+
+def test_unmarked_compute_loss_func_is_refused(out_root):
+    for rank_results in _world(2, out_root):
+        message = rank_results["errors"]["unmarked_loss"]
+        assert message is not None and message.startswith("train: "), message
+        assert "takes_shifted_labels" in message
+
+
+@pytest.mark.parametrize("name", ["smooth", "lossfn"])
+def test_loss_options_sp2_match_single_process(name, out_root, record_property):
+    """label_smoothing_factor and a (marked) compute_loss_func: per-step loss and grad_norm as without SP."""
+    worst = _assert_train_matches(name, out_root)
+    sp, ref = _sp_and_ref(name, out_root)
+    for result in sp:
+        for n, want in ref["eval_loss"].items():
+            assert U.rel_diff(result["eval_loss"][n], want) <= RTOL, (n, result["eval_loss"][n], want)
+    record_property("max_rel_diff", worst)
+
+
+def _assert_predictions_match(got: dict, want: dict) -> None:
+    assert U.rel_diff(got["loss"], want["loss"]) <= RTOL, (got["loss"], want["loss"])
+    # Whole sequences, unshifted labels, cut to the batch's real length: exactly what a run without SP returns.
+    assert got["label_ids"] == want["label_ids"]
+    assert got["first_tokens"] == want["first_tokens"]
+    for a, b in zip(got["mean_logit"], want["mean_logit"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
+
+
+def test_eval_and_predict_through_a_subclass_match_single_process(out_root):
+    """A Trainer subclass whose prediction_step calls super(): eval loss not halved, predictions and label_ids
+    (per-sample [bs, 3] and [bs] metric outputs included) equal to the run without SP."""
+    sp, ref = _sp_and_ref("subclass", out_root)
+    for result in sp:
+        got, want = result["eval_loss"][7], ref["eval_loss"][7]
+        assert U.rel_diff(got, want) <= RTOL, f"eval_loss {got!r} vs {want!r}"
+        _assert_predictions_match(result["predict"], ref["predict"])
+    assert len(ref["predict"]["first_tokens"]) == 7 and len(ref["predict"]["first_tokens"][0]) == 3
+
+
 @pytest.mark.slow
 def test_dp2_sp2_matches_plain_ddp(out_root, record_property):
     world4, world2 = _world(4, out_root), _world(2, out_root)
@@ -206,6 +269,8 @@ def test_dp2_sp2_matches_plain_ddp(out_root, record_property):
             worst[key] = max(worst.get(key, 0.0), value)
         # Rows per step: DP rank rank // 2 of the SP run reads what DDP rank rank // 2 reads.
         assert result["rows"][:3] == ref["rows"][:3], rank
+        # predict() with different batch lengths across DP ranks: whole sequences padded, as with DDP.
+        _assert_predictions_match(result["predict"], ref["predict"])
     assert world2[0]["ddp"]["rows"][:3] != world2[1]["ddp"]["rows"][:3]
     assert [h["step"] for h in world2[0]["ddp"]["logs"]] == [1, 2, 3]
     record_property("max_rel_diff", worst)

@@ -131,6 +131,7 @@ def test_public_names():
         "enable_sequence_parallel",
         "sequence_parallel_loss",
         "shard_batch",
+        "takes_shifted_labels",
     ]
     assert hf_longctx.IGNORE_INDEX == -100
 

@@ -43,11 +43,36 @@ def test_patch_on_missing_attribute_raises():
         raise AssertionError("patching a missing attribute must raise")
 
 
-def test_gated_patches_leave_plain_trainers_alone():
-    class FakeAccelerator:
-        pass
+def test_gated_patches_leave_plain_trainers_alone(tmp_path):
+    """With patches installed, a Trainer without hf_longctx SP gets exactly what the originals return."""
+    import torch
+    from transformers import TrainingArguments
 
-    class FakeTrainer:
-        accelerator = FakeAccelerator()
+    from tests._models import tiny_model
 
-    assert sp_trainer.sp_state(FakeTrainer()) is None  # no attached SP: every patch defers to the original
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2)
+    trainer = Trainer(model=tiny_model("llama"), args=args)
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    expected = {
+        "get_sp_size": Trainer.get_sp_size(trainer),
+        "get_total_train_batch_size": Trainer.get_total_train_batch_size(trainer, args),
+        "prediction_step": Trainer.prediction_step(trainer, trainer.model, dict(inputs), False),
+    }
+    try:
+        patches = {p.name: p for p in sp_trainer.install_trainer_patches() if p.owner is Trainer}
+        assert set(patches) == set(expected)
+        assert sp_trainer.sp_state(trainer) is None
+        got = {
+            "get_sp_size": trainer.get_sp_size(),
+            "get_total_train_batch_size": trainer.get_total_train_batch_size(args),
+            "prediction_step": trainer.prediction_step(trainer.model, dict(inputs), False),
+        }
+        for name in expected:
+            assert Trainer.__dict__[name] is not patches[name].original  # the patched method ran
+    finally:
+        sp_trainer.remove_trainer_patches()
+    assert got["get_sp_size"] == expected["get_sp_size"] == 1
+    assert got["get_total_train_batch_size"] == expected["get_total_train_batch_size"] == 2
+    for value, want in zip(got["prediction_step"], expected["prediction_step"], strict=True):
+        assert torch.equal(value, want)

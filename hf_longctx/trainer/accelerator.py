@@ -1,0 +1,214 @@
+"""Accelerator wiring: `attach` installs hf_longctx SP on one `Accelerator`, `detach` undoes it.
+
+accelerate calls `ParallelismConfig._validate_accelerator(accelerator)` inside `Accelerator.__init__`;
+for our backends that calls `attach`, which builds the SP/DP groups and replaces a few methods on
+*that* accelerator instance only: `prepare`/`prepare_model` switch models to SP attention,
+`prepare_data_loader` samples by DP rank and shards by SP rank (`dataloader.py`),
+`gather_for_metrics` merges the SP group first (`metrics.py`), and `unwrap_model` checks the model
+the first time the Trainer looks at it. Everything attach creates is released by `detach`, when
+the accelerator is garbage collected, or at interpreter exit, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..attention.registry import SequenceParallelHandle, check_model, enable_sequence_parallel
+from ..groups import SequenceParallelGroups, validate_sp_size
+from .dataloader import prepare_data_loader
+from .metrics import gather_for_metrics
+
+logger = logging.getLogger(__name__)
+STATE_ATTR = "_hf_longctx_state"
+
+
+@dataclass(eq=False)
+class SequenceParallelState:
+    """What `attach` installed on one accelerator, and how to undo it."""
+
+    config: Any
+    groups: SequenceParallelGroups
+    handles: list[SequenceParallelHandle] = field(default_factory=list)
+    wrapped: list[str] = field(default_factory=list)
+    undo: list[Callable[[], None]] = field(default_factory=list)  # collate_fn and Trainer attributes
+    checked: set[int] = field(default_factory=set)  # ids of models already validated
+
+    def enable(self, model: Any) -> None:
+        """Switch `model` (unwrapped transformers model) to SP attention once."""
+        model = _unwrap(model)
+        if getattr(model, "config", None) is None or any(h.model is model for h in self.handles):
+            return
+        self.handles.append(enable_sequence_parallel(model, self.groups, backend=self.config.sp_backend))
+
+    def check(self, model: Any) -> None:
+        """Validate a model SP will run (heads, kernel, token mixers) once, without changing it."""
+        model = _unwrap(model)
+        if id(model) in self.checked or getattr(model, "config", None) is None:
+            return
+        check_model(model, self.groups.sp_world_size, self.config.sp_backend)
+        self.checked.add(id(model))
+
+    def close(self) -> None:
+        """Restore every model and data loader, then destroy the process groups (idempotent)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        while self.undo:
+            self.undo.pop()()
+        self.groups.destroy()
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def sp_state(trainer_or_accelerator: Any) -> SequenceParallelState | None:
+    """The attached state of a Trainer's (or an Accelerator's) hf_longctx SP, or None."""
+    accelerator = getattr(trainer_or_accelerator, "accelerator", trainer_or_accelerator)
+    return getattr(accelerator, STATE_ATTR, None)
+
+
+@contextlib.contextmanager
+def sp_hidden(config: Any) -> Iterator[None]:
+    """Show accelerate a config without SP: to it every rank is a data-parallel rank.
+
+    accelerate refuses `sp_size > 1` for any backend but its own while preparing DeepSpeed, and
+    its batch-size and mesh arithmetic would count SP ranks; gradients must be averaged over all
+    ranks anyway (`sequence_parallel_loss` semantics), which is what a pure-DP view gives.
+    """
+    sp_size = config.sp_size
+    config.sp_size = 1
+    if hasattr(config, "_sizes"):
+        config._sizes["sp"] = 1
+    try:
+        yield
+    finally:
+        config.sp_size = sp_size
+        if hasattr(config, "_sizes"):
+            config._sizes["sp"] = sp_size
+
+
+def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
+    """Validate and install hf_longctx SP on `accelerator` (called from `_validate_accelerator`).
+
+    Raises:
+        ValueError: the process group and accelerate disagree on the world size (the CPU
+            `use_cpu` trap) or `sp_size` does not divide the world.
+    """
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _env_world_size()
+    if launched != accelerator.num_processes:
+        raise ValueError(
+            f"The job has {launched} ranks but accelerate sees {accelerator.num_processes} process(es), so data "
+            "would be duplicated and gradients never averaged. On CPU pass use_cpu=True to TrainingArguments/"
+            "SFTConfig; with DeepSpeed on CPU create `PartialState(backend='gloo')` first and pass "
+            "accelerator_config={'use_configured_state': True}."
+        )
+    validate_sp_size(config.sp_size, accelerator.num_processes)
+    if config.sp_size == 1:
+        return None
+    state = SequenceParallelState(config, SequenceParallelGroups.build(config.sp_size))
+    _wrap_accelerator(accelerator, state)
+    setattr(accelerator, STATE_ATTR, state)
+    # Released when the accelerator is collected or, at the latest, at interpreter exit (weakref.finalize
+    # runs pending finalizers at exit); `state.close` holds no reference to the accelerator.
+    weakref.finalize(accelerator, state.close)
+    _destroy_default_group_at_exit()
+    from .patches import install_trainer_patches
+
+    install_trainer_patches()
+    logger.info(
+        "hf_longctx: sequence parallelism sp=%d x dp=%d (%s)",
+        config.sp_size,
+        state.groups.dp_world_size,
+        config.sp_backend,
+    )
+    return state
+
+
+def _env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@functools.cache
+def _destroy_default_group_at_exit() -> None:
+    """Once per process: shut torch.distributed down at exit if the job left it running.
+
+    Neither Trainer nor accelerate destroys the default process group, and a gloo group still alive
+    at interpreter exit can abort the process ("terminate called without an active exception",
+    SIGABRT; measured on CPU in about 1 run of 3 after `evaluate()`), which torchrun reports as a
+    failed job. At exit no collective can follow, so destroying it then is safe.
+    """
+
+    def shutdown() -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(shutdown)
+
+
+def _wrap_accelerator(accelerator: Any, state: SequenceParallelState) -> None:
+    prepare, prepare_model = accelerator.prepare, accelerator.prepare_model
+    unwrap_model = accelerator.unwrap_model
+
+    def prepare_sp(*args: Any, device_placement: Any = None) -> Any:
+        for obj in args:
+            if isinstance(obj, torch.nn.Module):
+                state.enable(obj)
+        with sp_hidden(state.config):
+            return prepare(*args, device_placement=device_placement)
+
+    def prepare_model_sp(model: Any, *args: Any, **kwargs: Any) -> Any:
+        state.enable(model)
+        return prepare_model(model, *args, **kwargs)
+
+    def prepare_data_loader_sp(
+        data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
+        return prepare_data_loader(accelerator, state, data_loader, device_placement, slice_fn_for_dispatch)
+
+    def unwrap_model_sp(model: Any, *args: Any, **kwargs: Any) -> Any:
+        # Trainer.__init__ unwraps the model to inspect it: the first moment SP sees it, before any weight
+        # is moved or wrapped, so a model SP cannot run (heads, kernel) fails here rather than at train().
+        unwrapped = unwrap_model(model, *args, **kwargs)
+        state.check(unwrapped)
+        return unwrapped
+
+    accelerator.prepare = prepare_sp
+    accelerator.prepare_model = prepare_model_sp
+    accelerator.prepare_data_loader = prepare_data_loader_sp
+    accelerator.unwrap_model = unwrap_model_sp
+    accelerator.gather_for_metrics = functools.partial(gather_for_metrics, accelerator, state.groups)
+    state.wrapped += ["prepare", "prepare_model", "prepare_data_loader", "unwrap_model", "gather_for_metrics"]
+
+
+def detach(trainer_or_accelerator: Any) -> None:
+    """Undo `attach`: the accelerator's methods, every prepared model's attention, the data loaders'
+    collate functions and the Trainer attributes hf_longctx replaced; then destroy the SP/DP groups.
+
+    After it the model runs in a single process again (e.g. `generate`); a Trainer used after it
+    trains without SP.
+    """
+    accelerator = getattr(trainer_or_accelerator, "accelerator", trainer_or_accelerator)
+    state = sp_state(accelerator)
+    if state is None:
+        return
+    for name in state.wrapped:
+        accelerator.__dict__.pop(name, None)
+    delattr(accelerator, STATE_ATTR)
+    if trainer_or_accelerator is not accelerator and hasattr(trainer_or_accelerator, "gather_function"):
+        # Trainer.__init__ bound gather_function to the SP gather_for_metrics: point it back, as Trainer does.
+        trainer_or_accelerator.gather_function = accelerator.gather_for_metrics
+    state.close()

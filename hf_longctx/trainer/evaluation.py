@@ -1,0 +1,99 @@
+"""Evaluation under SP: `prediction_step` outputs become what a run without SP returns.
+
+Each rank's `prediction_step` sees its slice of the sequence, so its loss, logits and labels are
+partial. `full_prediction` merges them over the SP group once per call: the loss is summed from
+token-weighted shares, per-token tensors (logits, labels) are gathered along the sequence and cut
+back to the batch's real length, and the labels are the unshifted ones the collator kept. Every SP
+rank then holds the DP rank's values, so the Trainer's evaluation loop gathers them over the DP
+group only (`metrics.gather_replicated`), pads whole sequences across ranks and applies its own
+remainder rule, exactly as without SP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..comm import all_gather_sequence, all_reduce_sum
+from ..data.consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY
+from ..data.sharding import IGNORE_INDEX
+from ..groups import SequenceParallelGroups
+from .metrics import gather_replicated
+
+
+@contextlib.contextmanager
+def observe_num_items(trainer: Any) -> Iterator[dict[str, Any]]:
+    """Record the `num_items_in_batch` that `prediction_step` hands to `compute_loss` (transformers 5.x
+    passes the global count; TRL's override passes none), which decides what the returned loss means."""
+    seen: dict[str, Any] = {}
+    previous = trainer.__dict__.get("compute_loss")
+    compute_loss = trainer.compute_loss
+
+    def recording(*args: Any, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        seen["num_items"] = num_items_in_batch
+        return compute_loss(*args, num_items_in_batch=num_items_in_batch, **kwargs)
+
+    trainer.compute_loss = recording
+    try:
+        yield seen
+    finally:
+        if previous is None:
+            del trainer.compute_loss
+        else:
+            trainer.compute_loss = previous
+
+
+def _loss_share(trainer: Any, groups: SequenceParallelGroups, inputs: dict, loss: torch.Tensor, seen: dict) -> Any:
+    """This rank's share of its DP rank's loss: the shares of an SP group sum to the loss without SP."""
+    if seen.get("num_items") is not None and trainer.args.average_tokens_across_devices:
+        # compute_loss returned world * (shard sum) / (global count): every rank is an equal share.
+        return loss / groups.sp_world_size
+    # compute_loss returned the shard's token mean: weight it by the shard's share of the tokens.
+    count = (inputs["shift_labels"] != IGNORE_INDEX).sum().to(loss.device, torch.float64)
+    total = all_reduce_sum(count, groups.sp_group)
+    share = torch.where(count > 0, loss.detach().to(torch.float64) * count, 0.0) / total.clamp(min=1)
+    return share.to(loss.dtype)
+
+
+def _gather_tokens(value: Any, shard_len: int, length: int | None, groups: SequenceParallelGroups) -> Any:
+    """Per-token tensors `[bs, shard_len, ...]` gathered along the sequence and cut to `length`."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_gather_tokens(v, shard_len, length, groups) for v in value)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != shard_len:
+        return value
+    full = all_gather_sequence(value.contiguous(), groups.sp_group, dim=1)
+    return full[:, :length] if length is not None else full
+
+
+def full_prediction(
+    trainer: Any, groups: SequenceParallelGroups, inputs: dict, outputs: tuple, seen: dict
+) -> tuple[Any, Any, Any]:
+    """`(loss, logits, labels)` of the DP rank's whole batch from this rank's `prediction_step` outputs.
+
+    Also points `trainer.gather_function` (what the evaluation loop gathers with; the loop resets it
+    when it ends) at the DP-only gather, and, when the Trainer passes inputs to `compute_metrics`
+    (`include_for_metrics=["inputs"]`), puts the whole sequence back into `inputs`.
+    """
+    loss, logits, labels = outputs
+    if "shift_labels" not in inputs:
+        return outputs  # not a batch of our collator: nothing is sharded
+    if loss is not None:
+        loss = all_reduce_sum(_loss_share(trainer, groups, inputs, loss, seen), groups.sp_group)
+    signature = inputs.get(SIGNATURE_KEY)
+    length = int(signature[2]) if isinstance(signature, torch.Tensor) else None
+    shard_len = inputs["shift_labels"].shape[1]
+    logits = _gather_tokens(logits, shard_len, length, groups)
+    if isinstance(labels, torch.Tensor) and list(trainer.label_names) == ["labels"] and ORIGINAL_LABELS_KEY in inputs:
+        labels = inputs[ORIGINAL_LABELS_KEY]
+    labels = _gather_tokens(labels, shard_len, length, groups)
+    main_input = getattr(trainer.model, "main_input_name", "input_ids")
+    if "inputs" in (trainer.args.include_for_metrics or []) and main_input in inputs:
+        inputs[main_input] = _gather_tokens(inputs[main_input], shard_len, length, groups)
+    trainer.gather_function = functools.partial(
+        gather_replicated, trainer.accelerator, groups, use_gather_object=trainer.args.eval_use_gather_object
+    )
+    return loss, logits, labels

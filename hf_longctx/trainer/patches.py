@@ -1,0 +1,167 @@
+"""The class-level Trainer patches, gated on an attached accelerator, and the Trainer settings SP needs.
+
+Three `Trainer` methods have no registry or hook to plug into, so they are replaced through
+`patching.Patch` (reversible, idempotent): `get_sp_size` and `get_total_train_batch_size` (step and
+token arithmetic: SP ranks share samples) and `prediction_step` (evaluation outputs merged over the
+SP group, once per call however deep a subclass's `super()` chain is). Each acts only when the
+trainer's accelerator carries hf_longctx SP; otherwise it calls the original.
+
+`prepare_trainer` runs at the start of `train()` and of every evaluation: it refuses settings that
+would silently give wrong numbers and swaps Trainer's label smoother for one that takes the labels
+as hf_longctx delivers them (already shifted on the full sequence).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from transformers.trainer_pt_utils import LabelSmoother
+
+from ..patching import Patch
+from .accelerator import SequenceParallelState, sp_state
+from .evaluation import full_prediction, observe_num_items
+
+SHIFTED_LABELS_ATTR = "hf_longctx_takes_shifted_labels"
+_FRAMES_ATTR = "_hf_longctx_prediction_frames"
+
+
+def takes_shifted_labels(loss_func: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare that a Trainer `compute_loss_func` uses its `labels` as given, without shifting them.
+
+    Under SP each rank holds a slice of the sequence, so labels are shifted on the full sequence before
+    sharding: `compute_loss_func(outputs, labels, num_items_in_batch)` receives `labels[t]` = the token
+    that follows position t (`IGNORE_INDEX` where no loss is wanted). A function that shifts again (as
+    transformers' `ForCausalLMLoss` does without `shift_labels`) would be silently wrong, so hf_longctx
+    refuses an unmarked `compute_loss_func`. Returns `loss_func` itself, marked.
+    """
+    setattr(loss_func, SHIFTED_LABELS_ATTR, True)
+    return loss_func
+
+
+class ShiftedLabelSmoother(LabelSmoother):
+    """transformers' `LabelSmoother` for labels that are already shifted: its `shift_labels=True`
+    (what Trainer and TRL pass for causal LMs) would shift them a second time."""
+
+    def __call__(self, model_output: Any, labels: Any, shift_labels: bool = False, num_items_in_batch: Any = None):
+        return super().__call__(model_output, labels, shift_labels=False, num_items_in_batch=num_items_in_batch)
+
+
+def prepare_trainer(trainer: Any, state: SequenceParallelState) -> None:
+    """Check a Trainer's settings against SP and adapt the label smoother (idempotent).
+
+    Raises:
+        ValueError: naming the Trainer option to change.
+    """
+    args = trainer.args
+    if not args.average_tokens_across_devices:
+        raise ValueError(
+            "Sequence parallelism needs average_tokens_across_devices=True (the loss is a global token mean)."
+        )
+    loss_func = trainer.compute_loss_func
+    if loss_func is not None and not getattr(loss_func, SHIFTED_LABELS_ATTR, False):
+        raise ValueError(
+            "compute_loss_func receives labels that hf_longctx has already shifted on the full sequence (each rank "
+            "holds only a slice of it), so a loss function that shifts labels itself would be silently wrong. Make "
+            "it use `labels` as given and mark it: compute_loss_func=hf_longctx.takes_shifted_labels(my_loss)."
+        )
+    if not (trainer.model_accepts_loss_kwargs or loss_func is not None):
+        raise ValueError(
+            f"{type(trainer.model).__name__}.forward does not accept num_items_in_batch (**kwargs), so the loss "
+            "cannot be token-weighted across SP ranks; pass compute_loss_func (see hf_longctx.takes_shifted_labels)."
+        )
+    smoother = trainer.label_smoother
+    if smoother is not None and not isinstance(smoother, ShiftedLabelSmoother):
+        trainer.label_smoother = ShiftedLabelSmoother(epsilon=smoother.epsilon, ignore_index=smoother.ignore_index)
+        ref = weakref.ref(trainer)  # the state must not keep the Trainer (and its accelerator) alive
+
+        def restore() -> None:
+            if ref() is not None:
+                ref().label_smoother = smoother
+
+        state.undo.append(restore)
+
+
+def _get_sp_size(original):
+    def get_sp_size(self) -> int:
+        # Our loader yields one shard per batch (DeepSpeed's yields sp micro-batches) and tokens are
+        # counted on disjoint shards, so the step count and num_items_in_batch must not see sp.
+        return 1 if sp_state(self) is not None else original(self)
+
+    return get_sp_size
+
+
+def _get_total_train_batch_size(original):
+    def get_total_train_batch_size(self, args: Any) -> int:
+        state = sp_state(self)
+        if state is None:
+            return original(self, args)
+        prepare_trainer(self, state)
+        # SP ranks of a group read the same samples: only world / sp ranks add samples.
+        return original(self, args) // state.groups.sp_world_size
+
+    return get_total_train_batch_size
+
+
+def _prediction_step(original):
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        state = sp_state(self)
+        if state is None:
+            return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        prepare_trainer(self, state)
+        # A subclass's override calling super() runs this patch twice: merge once, in the innermost call,
+        # so the override post-processes whole-sequence values, and outer calls pass them through.
+        frames = self.__dict__.setdefault(_FRAMES_ATTR, [])
+        frame = {"merged": False}
+        frames.append(frame)
+        try:
+            with observe_num_items(self) as seen:
+                outputs = original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            frames.pop()
+        if not frame["merged"]:
+            outputs = full_prediction(self, state.groups, inputs, outputs, seen)
+        if frames:
+            frames[-1]["merged"] = True
+        return outputs
+
+    return prediction_step
+
+
+_TRAINER_PATCHES: dict[tuple[type, str], Patch] = {}
+
+
+def install_trainer_patches() -> list[Patch]:
+    """Patch `Trainer` (and any loaded subclass overriding `prediction_step`); idempotent."""
+    from transformers import Trainer
+
+    wanted = [
+        (Trainer, "get_sp_size", _get_sp_size),
+        (Trainer, "get_total_train_batch_size", _get_total_train_batch_size),
+    ]
+    wanted += [
+        (owner, "prediction_step", _prediction_step)
+        for owner in (Trainer, *_subclasses_defining(Trainer, "prediction_step"))
+    ]
+    for owner, name, make in wanted:
+        patch = _TRAINER_PATCHES.setdefault((owner, name), Patch(owner, name, make))
+        patch.apply()
+    return list(_TRAINER_PATCHES.values())
+
+
+def remove_trainer_patches() -> None:
+    """Restore every patched Trainer method to the original function."""
+    for patch in _TRAINER_PATCHES.values():
+        patch.remove()
+    _TRAINER_PATCHES.clear()
+
+
+def _subclasses_defining(cls: type, name: str) -> list[type]:
+    found, todo = [], list(cls.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        todo.extend(sub.__subclasses__())
+        if name in sub.__dict__:
+            found.append(sub)
+    return found
