@@ -94,7 +94,7 @@ def test_heads_not_divisible_exits_2_without_launching(tmp_path, capsys, monkeyp
     def no_launch(*args, **kwargs):
         raise AssertionError("nothing may be launched for invalid input")
 
-    monkeypatch.setattr(hf_longctx.check.subprocess, "Popen", no_launch)
+    monkeypatch.setattr(hf_longctx.check.worker.subprocess, "Popen", no_launch)
     config = llama_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=16)
     code, out = run_check(capsys, "--model", str(write_config(tmp_path, config)), "--sp", "2")
     assert code == 2, out

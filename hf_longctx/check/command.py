@@ -1,0 +1,205 @@
+"""`hf-longctx check`: is sequence parallelism exact for this model architecture?
+
+`run(args)` builds a small random-init float32 copy of a local config (`model.py`), runs one SP=K
+training step in K gloo ranks launched by torchrun (`worker.py`), recomputes the same step at SP=1
+in this process with the plain model and compares the loss and every gradient (`report.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .model import (
+    SEED,
+    build_model,
+    head_counts,
+    load_config,
+    make_batch,
+    reference_step,
+    resolve_config_path,
+    shrink_config,
+    valid_labels_per_rank,
+)
+from .report import TOP_K, compare, verdict
+from .worker import FAULTS, WorkerSpec, kill, launch, log_tail
+
+EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `check` options to `parser`."""
+    parser.add_argument("--model", required=True, help="local folder with config.json, or a config.json file")
+    parser.add_argument("--sp", type=int, required=True, help="sequence-parallel size K (K torchrun ranks)")
+    parser.add_argument(
+        "--seq-len", type=int, default=67, help="tokens per row; odd lengths exercise padding (default: %(default)s)"
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="rows in the batch (default: %(default)s)")
+    parser.add_argument(
+        "--layers", type=int, default=2, help="num_hidden_layers of the test copy (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=0, help="shrink hidden size to this (heads kept; 0 keeps the original)"
+    )
+    parser.add_argument(
+        "--attn", choices=("sdpa", "eager"), default="sdpa", help="attention kernel (default: %(default)s)"
+    )
+    parser.add_argument("--packed", action="store_true", help="pack 3 documents per row (restarting positions)")
+    parser.add_argument(
+        "--tolerance-loss", type=float, default=1e-5, help="max relative loss difference (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--tolerance-grad", type=float, default=1e-4, help="max relative gradient difference (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds before the SP run is killed (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--inject-fault",
+        choices=FAULTS,
+        default=None,
+        help="self-test of the checker: break the SP run on purpose (skip-positions: shard-local position ids); "
+        "the check must then FAIL",
+    )
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.sp < 1:
+        raise ValueError(f"--sp must be >= 1, got {args.sp}.")
+    for flag, value, low in (
+        ("--seq-len", args.seq_len, 4),
+        ("--batch-size", args.batch_size, 1),
+        ("--layers", args.layers, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if args.hidden < 0:
+        raise ValueError(f"--hidden must be >= 0 (0 keeps the model's), got {args.hidden}.")
+    for flag, value in (
+        ("--tolerance-loss", args.tolerance_loss),
+        ("--tolerance-grad", args.tolerance_grad),
+        ("--timeout", args.timeout),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}.")
+
+
+def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> int:
+    """Run `hf-longctx check` and print its report.
+
+    Args:
+        args: the parsed options of `add_arguments`.
+        emit: where report lines go (default: print to stdout).
+
+    Returns:
+        0 on PASS; 1 on FAIL (above tolerance, the SP run crashed or timed out); 2 on invalid
+        input (bad options, no config, unsupported model, heads not divisible by `--sp`), in
+        which case nothing is launched.
+    """
+    from ..attention.registry import enable_sequence_parallel
+    from ..attention.ulysses import check_heads, head_layout
+    from ..groups import SequenceParallelGroups
+
+    out = emit or (lambda line: print(line, flush=True))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sp = args.sp
+    with tempfile.TemporaryDirectory(prefix="hf_longctx_check_") as tmp_name:
+        tmp = Path(tmp_name)
+        try:
+            _validate(args)
+            original = load_config(args.model)
+            heads, kv_heads = head_counts(original)
+            check_heads(heads, sp)
+            head_layout(heads, kv_heads, sp)
+            padded = args.seq_len + (-args.seq_len % sp)
+            config, notes = shrink_config(
+                original, layers=args.layers, hidden=args.hidden, min_positions=padded, attn=args.attn
+            )
+            config.save_pretrained(tmp / "model")
+            model = build_model(tmp / "model", args.attn, SEED)
+            # Validates the kernel and the model type the way the workers will, before launching.
+            enable_sequence_parallel(model, SequenceParallelGroups.single()).remove()
+        except ValueError as exc:
+            out(f"INVALID: {exc}")
+            return EXIT_INVALID
+
+        text = model.config.get_text_config()
+        label = type(model).__name__
+        batch = make_batch(text.vocab_size, args.seq_len, args.batch_size, args.packed, SEED)
+        n_params = sum(p.numel() for p in model.parameters())
+        out(f"hf-longctx check: {label} ({config.model_type}) from {resolve_config_path(args.model)}")
+        out(
+            f"  test copy: {text.num_hidden_layers} layers, hidden {text.hidden_size}, {heads} heads / "
+            f"{kv_heads} kv heads, head_dim {getattr(text, 'head_dim', None) or text.hidden_size // heads}, "
+            f"vocab {text.vocab_size}, {n_params:,} params, float32, attn {args.attn}, seed {SEED}"
+        )
+        out(f"  shrunk: {'; '.join(notes)}")
+        out(
+            f"  batch: {args.batch_size} x {args.seq_len} tokens (padded to {padded}, {padded // sp} per rank), "
+            f"packed: {'3 docs/row' if args.packed else 'no'}, valid labels per SP rank: "
+            f"{valid_labels_per_rank(batch, sp)}"
+        )
+        if sp > 1:
+            out("  (row 0's first half has no labels on purpose: a shard without any label must still be exact)")
+        if args.inject_fault:
+            out(f"  SELF-TEST: fault {args.inject_fault!r} injected into the SP run; the check must FAIL")
+
+        spec = WorkerSpec(
+            config_dir=str(tmp / "model"),
+            attn=args.attn,
+            seed=SEED,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            packed=args.packed,
+            output=str(tmp / "sp_result.pt"),
+            pid_dir=str(tmp),
+            fault=args.inject_fault,
+        )
+        spec.save(tmp / "spec.json")
+        log_path = tmp / "torchrun.log"
+        start = time.monotonic()
+        proc = launch(tmp / "spec.json", sp, log_path)
+        try:
+            ref = reference_step(model, batch)  # overlaps with torchrun's start-up
+            ref_s = time.monotonic() - start
+            try:
+                code = proc.wait(max(0.0, args.timeout - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:
+                kill(proc, tmp)
+                out(log_tail(log_path))
+                out(f"FAIL: timed out: the SP={sp} run did not finish within {args.timeout:g} s (killed)")
+                return EXIT_FAIL
+        finally:
+            if proc.poll() is None:  # an exception in the reference or Ctrl-C: leave nothing behind
+                kill(proc, tmp)
+        sp_s = time.monotonic() - start
+        result_path = Path(spec.output)
+        if code != 0 or not result_path.exists():
+            out(log_tail(log_path))
+            out(f"FAIL: the SP={sp} run failed (torchrun exit code {code}); its output is above")
+            return EXIT_FAIL
+
+        result = torch.load(result_path, weights_only=True)
+        out(f"  SP={sp} run (torchrun, gloo): {sp_s:.1f} s; SP=1 reference (in process): {ref_s:.1f} s")
+        if any(sha != ref.weights_sha256 for sha in result["weights_sha256"]):
+            out("FAIL: the SP workers and the reference built different weights (seeded init is not deterministic)")
+            return EXIT_FAIL
+        try:
+            cmp = compare(result["loss"], result["grads"], ref)
+        except ValueError as exc:
+            out(f"FAIL: {exc}")
+            return EXIT_FAIL
+        out(f"  loss   SP={sp} {cmp.loss_sp:.9f}   SP=1 {cmp.loss_ref:.9f}   rel diff {cmp.loss_rel:.2e}")
+        out(f"  grads  worst of {len(cmp.grad_errors)} parameters, max|g_sp - g_ref| / max|g_ref|:")
+        for name, err in cmp.grad_errors[:TOP_K]:
+            out(f"    {err:.2e}  {name}")
+        passed, line = verdict(cmp, sp, args.tolerance_loss, args.tolerance_grad, label)
+        out(line)
+        return EXIT_PASS if passed else EXIT_FAIL
