@@ -19,8 +19,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_longctx
+from hf_longctx.comm import all_gather_sequence
 from hf_longctx.attention.registry import _HANDLE_ATTR
 from hf_longctx.data.sharding import prepare_global_batch
+from tests import _flash_standin as flash_standin
 from tests._models import tiny_model
 
 IGNORE = -100
@@ -45,16 +47,18 @@ class ModelSpec:
         return f"{self.arch}-{self.kind}{self.num_heads}x{self.num_kv_heads}-h{self.hidden}"
 
     def build(self, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
-        return tiny_model(
+        """The model with kernel `attn`; "flash_attention_2" is the CPU stand-in (`tests/_flash_standin.py`)."""
+        model = tiny_model(
             self.arch,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             hidden=self.hidden,
             layers=2,
             vocab=VOCAB,
-            attn=attn,
+            attn="eager" if attn == flash_standin.IMPLEMENTATION else attn,
             seed=seed,
         )
+        return flash_standin.use_flash(model) if attn == flash_standin.IMPLEMENTATION else model
 
 
 # Every head count is divisible by 4, so the same specs run at SP=2 and SP=4. At SP=4, 4x2 and 8x2
@@ -158,12 +162,24 @@ def make_case(name: str) -> Case:
 
 
 CASE_NAMES = ("seq37", "padded_bs2", "packed3", "completion_only", "one_label")
-# (spec id, attention kernel, case name): every case on sdpa, the packed row on eager too.
+FLASH = flash_standin.IMPLEMENTATION
+# Specs whose flash path runs through the CPU stand-in: GQA, MQA, MHA, irregular, and the kernels with extras.
+FLASH_SPECS = ("llama-gqa4x2-h64", "llama-mqa4x1-h64", "qwen3-mha4x4-h128", "llama-gqa_irregular12x3-h192")
+FLASH_EXTRA = ("gpt_oss-sinks4x2-h64", "gemma2-softcap4x2-h64", "llama4-chunked4x2-h64")
+# (spec id, attention kernel, case name): every case on sdpa, the packed row on eager too, and the flash
+# varlen (packed, padded) and dense paths through the stand-in.
 COMBOS = tuple(
     [(spec.id, "sdpa", case) for spec in MODEL_SPECS for case in CASE_NAMES]
     + [(spec.id, "eager", "packed3") for spec in MODEL_SPECS]
     + [(spec.id, attn, case) for spec, kernels in EXTRA_SPECS for attn in kernels for case in ("seq37", "packed3")]
+    + [(spec_id, FLASH, case) for spec_id in FLASH_SPECS for case in ("packed3", "padded_bs2", "one_label")]
+    + [(spec_id, FLASH, case) for spec_id in FLASH_EXTRA for case in ("seq37", "packed3")]
 )
+
+
+def reference_kernel(attn: str) -> str:
+    """The kernel of the unsharded reference: flash takes no 4-D mask, so its reference runs on eager."""
+    return "eager" if attn == FLASH else attn
 
 
 def document_causal_mask(case: Case, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
@@ -264,6 +280,7 @@ def _averaged_grads(model, groups) -> dict[str, torch.Tensor]:
 def parity_worker(rank: int, world_size: int, combos: tuple[tuple[str, str, str], ...]) -> dict:
     """Run every (spec, attn, case) at SP=world_size; rank 0 returns the averaged gradients."""
     groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    flash_standin.install()
     results: dict = {}
     models: dict[tuple[str, str], tuple[torch.nn.Module, hf_longctx.SequenceParallelHandle]] = {}
     for spec_id, attn, case_name in combos:
@@ -408,12 +425,30 @@ def _num_items(groups) -> dict:
     return out
 
 
+FLEX_COMBOS = (("llama-gqa4x2-h64", "packed3"), ("llama4-chunked4x2-h64", "packed3"))
+
+
+def _flex(groups) -> dict:
+    """flex_attention's BlockMask path, forward only: torch compiles flex on CPU but has no CPU backward.
+    Returns the SP logits gathered over the sequence, cut to the batch length."""
+    out = {}
+    for spec_id, case_name in FLEX_COMBOS:
+        model = SPECS_BY_ID[spec_id].build("flex_attention")
+        with torch.no_grad(), hf_longctx.enable_sequence_parallel(model, groups):
+            shard = hf_longctx.shard_batch(make_case(case_name).batch, groups)
+            shard.pop("shift_labels")
+            logits = model(**shard).logits
+        out[(spec_id, case_name)] = all_gather_sequence(logits, groups.sp_group)[:, :SEQ_LEN]
+    return out
+
+
 FEATURES = {
     "isolation": _isolation,
     "two_models": _two_models,
     "checkpointing": lambda groups: _checkpointing(groups, forward_in_between=False),
     "checkpointing_interleaved": lambda groups: _checkpointing(groups, forward_in_between=True),
     "num_items": _num_items,
+    "flex": _flex,
 }
 
 

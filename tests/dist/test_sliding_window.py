@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from tests import _flash_standin as flash_standin
 from tests._dist import run_distributed
 
 WINDOW, SEQ = 6, 29
 
 
 def _model(attn: str):
+    """The windowed Mistral; "flash_attention_2" is the CPU stand-in, installed by the caller."""
     from transformers import MistralConfig, MistralForCausalLM
+
+    if attn == flash_standin.IMPLEMENTATION:
+        return flash_standin.use_flash(_model("eager"))
 
     config = MistralConfig(
         vocab_size=128,
@@ -59,8 +64,9 @@ def _sp_worker(rank: int, world_size: int) -> dict:
     import hf_longctx
 
     groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    flash_standin.install()
     out = {}
-    for attn in ("sdpa", "eager"):
+    for attn in ("sdpa", "eager", flash_standin.IMPLEMENTATION):
         model = _model(attn)
         with hf_longctx.enable_sequence_parallel(model, groups):
             loss, grads = _loss_and_grads(model, _batch(), groups)
@@ -75,8 +81,11 @@ def test_sliding_window_sp2_matches_plain_model():
     import hf_longctx
 
     results = run_distributed(_sp_worker, 2, timeout=180)[0]
+    assert set(results) == {"sdpa", "eager", flash_standin.IMPLEMENTATION}
     for attn, (loss, grads) in results.items():
-        ref_loss, ref_grads = _loss_and_grads(_model(attn), _batch(), hf_longctx.SequenceParallelGroups.single())
+        # The plain model builds its own window mask; flash's reference is the plain eager model.
+        ref_attn = "eager" if attn == flash_standin.IMPLEMENTATION else attn
+        ref_loss, ref_grads = _loss_and_grads(_model(ref_attn), _batch(), hf_longctx.SequenceParallelGroups.single())
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), attn
         for name, ref in ref_grads.items():
             err = ((grads[name] - ref).abs().max() / ref.abs().max()).item()

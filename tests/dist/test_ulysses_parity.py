@@ -36,7 +36,7 @@ def _spawn_once(key: object, fn, world_size: int, *args) -> list:
 def _reference(spec_id: str, attn: str, case_name: str) -> tuple[float, dict[str, torch.Tensor]]:
     key = (spec_id, attn, case_name)
     if key not in _refs:
-        model = P.SPECS_BY_ID[spec_id].build(attn)
+        model = P.SPECS_BY_ID[spec_id].build(P.reference_kernel(attn))
         loss, grads, _ = P.reference_loss_and_grads(model, P.make_case(case_name))
         _refs[key] = (loss, grads)
     return _refs[key]
@@ -199,3 +199,13 @@ def test_num_items_in_batch_global_count_gives_the_same_loss():
     key = (P.ISOLATION_SPEC.id, "sdpa", "completion_only")
     for name in ("default_grads", "int_grads", "tensor_grads"):
         _assert_matches_reference(items["default"], items[name], key)
+
+
+@pytest.mark.parametrize("combo", P.FLEX_COMBOS, ids=lambda c: "-".join(c))
+def test_flex_block_mask_forward_matches_unsharded(combo):
+    """flex_attention at SP=2: the document (and chunk) BlockMask gives the unsharded logits (forward only:
+    flex has no CPU backward; the masks' gradients are covered by the same rule on sdpa/eager/flash)."""
+    spec_id, case_name = combo
+    _, _, ref_logits = P.reference_loss_and_grads(P.SPECS_BY_ID[spec_id].build("eager"), P.make_case(case_name))
+    for rank, flex in enumerate(_feature("flex")):
+        torch.testing.assert_close(flex[combo], ref_logits, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
