@@ -11,8 +11,9 @@
 
 All three train the same random-init model on the same random tokens with the HF `Trainer` and DeepSpeed
 ZeRO-1 as the data-parallel engine (on CPU through the `PartialState(backend="gloo")` +
-`use_configured_state` route of UPSTREAM.md section 5). A `TrainerCallback` measures every optimizer step
-between `on_step_begin` and `on_step_end` (the batch is already loaded then):
+`use_configured_state` route: without it accelerate sees one process per rank on CPU and duplicates data).
+A `TrainerCallback` measures every optimizer step between `on_step_begin` and `on_step_end` (the batch is
+already loaded then):
 
 - `step_s`: wall time of the step (CUDA synchronised at both ends on GPU); `iter_s`: from the previous
   step's end to this one's (adds data loading, which is where the upstream loader all-gathers batches);
@@ -348,7 +349,8 @@ def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
     impl, sp = spec["impl"], spec["sp"]
     if cuda:
         torch.cuda.set_device(local_rank)
-    # DeepSpeed is the DP engine of every run; on CPU accelerate needs the configured gloo state (UPSTREAM.md 5).
+    # DeepSpeed is the DP engine of every run; on CPU accelerate needs a configured gloo state (else it reports one
+    # process per rank and duplicates the data).
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="nccl" if cuda else "gloo")
 

@@ -1,8 +1,9 @@
 """FSDP2 (`fully_shard`) as the data-parallel engine under hf_longctx SP, on CPU gloo.
 
-accelerate only switches to FSDP on GPUs, so this drives `fully_shard` directly (UPSTREAM.md section 6):
+accelerate only switches to FSDP for GPU-like distributed types (`AcceleratorState` leaves MULTI_CPU out), so
+this drives `fully_shard` directly:
 the reduce-scatter averages gradients over all ranks, which with `sequence_parallel_loss` must give the
-single-device gradients. The accelerate FSDP2 route is exercised on a GPU when one is lent.
+single-device gradients. accelerate's own FSDP2 route runs in tests/dist/test_trainer.py (with a test shim).
 """
 
 from __future__ import annotations
