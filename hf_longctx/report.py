@@ -39,15 +39,21 @@ def compare_runs(run_dir: str, reference_dir: str) -> tuple[float, int]:
 
 
 def plot_loss_curves(runs: Mapping[str, str], path: str) -> str:
-    """Plot every run's loss curve (label -> output dir) into one PNG at `path`; returns `path`."""
+    """Plot the loss curves of `runs` (label -> output dir; the first is the one compared, the last the
+    reference) and, below, the per-step relative difference of the first to the last, whose maximum is in
+    the title: curves that agree to 1e-7 look identical, so the difference gets its own log-scale panel.
+
+    Returns:
+        `path` (a PNG).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (label, output_dir) in enumerate(runs.items()):
-        curve = loss_curve(output_dir)
+    fig, (ax, diff_ax) = plt.subplots(2, 1, figsize=(6, 5.5), sharex=True, height_ratios=(2, 1))
+    curves = {label: loss_curve(output_dir) for label, output_dir in runs.items()}
+    for i, (label, curve) in enumerate(curves.items()):
         ax.plot(
             list(curve),
             list(curve.values()),
@@ -55,10 +61,18 @@ def plot_loss_curves(runs: Mapping[str, str], path: str) -> str:
             linestyle="-" if i == 0 else "--",
             label=label,
         )
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
-    ax.set_title("hf_longctx: loss curves")
     ax.legend()
+    run, ref = list(curves.values())[0], list(curves.values())[-1]
+    steps = sorted(set(run) & set(ref))
+    rel = [abs(run[s] - ref[s]) / max(abs(ref[s]), 1e-12) for s in steps]
+    first, last = list(curves)[0], list(curves)[-1]
+    # An exactly equal step has no place on a log axis: draw it at the float32 round-off floor.
+    diff_ax.semilogy(steps, [max(r, 1e-9) for r in rel], marker="o")
+    diff_ax.set_xlabel("optimizer step")
+    diff_ax.set_ylabel("relative difference\n(0 drawn at 1e-9)")
+    title = f"hf_longctx: {first} vs {last}" + (f", max relative difference {max(rel):.1e}" if rel else "")
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import datasets
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, TrlParser
@@ -38,7 +39,19 @@ class LongContextArguments:
     compare_to: str | None = field(default=None, metadata={"help": "Output dir of a reference run to compare with."})
 
 
+DEFAULT_MODEL_CARD = """# Tiny random-init Llama trained by hf_longctx
+
+Not a fine-tune of a pretrained model: a random-init Llama ({layers} layers, GPT-2 tokenizer and vocabulary)
+trained for {steps} steps on public-domain Shakespeare windows of {length} tokens by `recipes/sft.py`
+(hf_longctx sequence parallelism, sp_size={sp}). It exists to show that SP training equals training without it;
+see `loss_curves.png` when present.
+"""
+
+
 def main() -> None:
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        # Every rank prepares the dataset; one set of progress bars is enough.
+        datasets.disable_progress_bars()
     lc, args = TrlParser((LongContextArguments, SFTConfig)).parse_args_and_config()
     if lc.sp_size > 1:
         args.parallelism_config = hf_longctx.ParallelismConfig(sp_size=lc.sp_size, sp_backend=lc.sp_backend)
@@ -74,6 +87,13 @@ def main() -> None:
         trainer.evaluate()
     trainer.save_model()
     trainer.save_state()
+    if lc.model_name_or_path is None and trainer.is_world_process_zero():
+        # TRL's card would call the random-init model "a fine-tuned version of None".
+        card = DEFAULT_MODEL_CARD.format(
+            layers=lc.tiny_layers, steps=trainer.state.global_step, length=args.max_length, sp=lc.sp_size
+        )
+        with open(os.path.join(args.output_dir, "README.md"), "w") as f:
+            f.write(card)
     if trainer.is_world_process_zero() and lc.compare_to:
         worst, steps = compare_runs(args.output_dir, lc.compare_to)
         png = plot_loss_curves(

@@ -27,6 +27,7 @@ def test_recipe_sp2_loss_curve_matches_no_sp(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    reference_log = done.stdout + done.stderr
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_sp2.yaml"]
     done = subprocess.run(
         [*launch, *recipe, "--output_dir", sp, "--compare_to", ref],
@@ -42,3 +43,8 @@ def test_recipe_sp2_loss_curve_matches_no_sp(tmp_path):
     assert float(match.group(1)) <= 1e-5
     assert os.path.getsize(os.path.join(sp, "loss_curves.png")) > 0
     assert "tokens_per_second" in done.stdout + done.stderr  # one per log line, printed by the progress bar
+    # A newcomer's first run: no deprecation warning the project could avoid, and a model card that is true.
+    for log in (reference_log, done.stdout + done.stderr):
+        assert "FutureWarning" not in log, log[-3000:]
+    with open(os.path.join(sp, "README.md")) as card:
+        assert card.read().startswith("# Tiny random-init Llama trained by hf_longctx")
