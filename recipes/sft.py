@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import datasets
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, TrlParser
 
@@ -52,6 +53,9 @@ def main() -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         # Every rank prepares the dataset; one set of progress bars is enough.
         datasets.disable_progress_bars()
+    # transformers' "Writing model shards" bar (one shard here) redraws over the Trainer's with a cursor-up
+    # escape; the Trainer's own progress bar is unaffected.
+    transformers.utils.logging.disable_progress_bar()
     lc, args = TrlParser((LongContextArguments, SFTConfig)).parse_args_and_config()
     if lc.sp_size > 1:
         args.parallelism_config = hf_longctx.ParallelismConfig(sp_size=lc.sp_size, sp_backend=lc.sp_backend)

@@ -46,5 +46,6 @@ def test_recipe_sp2_loss_curve_matches_no_sp(tmp_path):
     # A newcomer's first run: no deprecation warning the project could avoid, and a model card that is true.
     for log in (reference_log, done.stdout + done.stderr):
         assert "FutureWarning" not in log, log[-3000:]
+        assert "\x1b[" not in log, "a terminal escape in the job's output"
     with open(os.path.join(sp, "README.md")) as card:
         assert card.read().startswith("# Tiny random-init Llama trained by hf_longctx")
