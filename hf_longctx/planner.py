@@ -169,23 +169,24 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
     """Parameters, gradients and optimizer states held on one rank's device (AdamW).
 
     bf16 on DeepSpeed: bf16 weights and gradients, fp32 master weights + Adam m and v in the
-    optimizer (2 + 2 + 12 bytes per parameter). bf16 on DDP / FSDP2 (torch autocast / FSDP2 mixed
-    precision): fp32 weights, gradients and Adam states (4 + 4 + 8), plus autocast's bf16 weight
-    copies (DDP). fp32: 4 + 4 + 8. Returns `gradients` (backward and optimizer step) and
+    optimizer (2 + 2 + 12 bytes per parameter). bf16 on FSDP2: accelerate keeps fp32 sharded weights
+    for mixed precision (4 + 4 + 8). bf16 on DDP: the weights as loaded in bf16 (what the recipes do),
+    so AdamW's m and v are bf16 too (2 + 2 + 4), plus DDP's bucket copy of the gradients when there is
+    more than one rank. fp32: 4 + 4 + 8. Returns `gradients` (backward and optimizer step) and
     `gradients_persistent` (forward and loss): DeepSpeed's flat gradient buffers and DDP's bucket copy
     live through the whole step, torch's `param.grad` only from backward on (`zero_grad(set_to_none=True)`).
     """
     n, w = model.num_params(), run.world
     deepspeed = run.engine.startswith("zero")
     mixed = run.dtype == "bf16"
-    p_bytes, g_bytes, o_bytes = (2, 2, 12) if deepspeed and mixed else (4, 4, 8)
+    p_bytes, g_bytes, o_bytes = (4, 4, 8)
+    if mixed and deepspeed:
+        p_bytes, g_bytes, o_bytes = (2, 2, 12)
+    elif mixed and run.engine == "ddp":
+        p_bytes, g_bytes, o_bytes = (2, 2, 4)
     params, grads, optim = n * p_bytes, n * g_bytes, n * o_bytes
-    buckets = 0.0
-    if run.engine == "ddp":
-        if run.world > 1:
-            buckets = grads  # DDP's flat gradient buckets (gradient_as_bucket_view=False, torch's default)
-        if mixed:
-            params += 2 * n  # autocast's cached bf16 copies of the weights
+    # DDP's flat gradient buckets (gradient_as_bucket_view=False, torch's default) from two ranks on.
+    buckets = grads if run.engine == "ddp" and run.world > 1 else 0.0
     shard = {"ddp": (1, 1, 1), "zero1": (1, 1, w), "zero2": (1, w, w), "zero3": (w, w, w), "fsdp2": (w, w, w)}
     ps, gs, os_ = shard[run.engine]
     params, grads, optim = params / ps, grads / gs, optim / os_

@@ -39,9 +39,9 @@ class LayerBytes:
 
 
 def norm_bytes(hidden: int, a: int, liger: bool) -> float:
-    """Bytes per token an RMSNorm saves: transformers' saves its fp32 input and the normalised
+    """Bytes per token an RMSNorm saves: transformers' saves its fp32 input, 1/rms and the normalised
     output before and after the weight; Liger's saves its input, output and 1/rms."""
-    return 2 * a * hidden + 4 if liger else (4 + 2 * a) * hidden
+    return 2 * a * hidden + 4 if liger else (4 + 2 * a) * hidden + 4
 
 
 def kv_heads_per_rank(model: ModelShape, sp: int) -> int:
@@ -74,8 +74,9 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
 
     saved_attn = T * norm_bytes(h, a, liger)
     if model.qk_norm:
-        per_head = a + 4 / d if liger else 4 + a
-        saved_attn += T * per_head * (heads + model.kv_heads) * d
+        # Per query and key head: the norm's input (fp32 for transformers' norm), its output and 1/rms.
+        per_head = a * d + 4 if liger else (4 + a) * d + 4
+        saved_attn += T * per_head * (heads + model.kv_heads)
     quadratic = run.micro_batch * q_local * seq * seq  # score elements per layer on this rank
     shared = 0.0
     if run.attn == "eager":
@@ -84,10 +85,13 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         saved_attn += quadratic * (4 + (a if a < 4 else 0))
         saved_attn += out  # o_proj input
         shared = run.micro_batch * seq * seq * (a + (1 if sp > 1 else 0))  # additive mask (+ boolean)
-        attn_bwd = quadratic * (a + 8) + qkv
+        # Gradient of the probabilities, of the softmax input (fp32) and, in bf16, of the cast between.
+        attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv
     else:
         saved_attn += qkv + 4 * T * heads  # q, k, v and the fp32 log-sum-exp
-        copies = 1 if (sp == 1 and run.attn == "flash") else 2  # kernel output, o_proj input
+        # The kernel's output is o_proj's input without SP (flash and sdpa write [bs, sl, hc, hs]); with
+        # SP the all-to-all back makes a second copy.
+        copies = 1 if sp == 1 else 2
         saved_attn += copies * out
         attn_bwd = qkv  # dq, dk, dv
         if run.attn == "flash" and not on_cpu:
