@@ -34,12 +34,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TOLERANCE = 0.10
-# Two optimizer steps: the second runs with AdamW's states allocated (the steady state the planner models).
-STEPS = 2
+# Three optimizer steps: from the second on AdamW's states exist, and with gradient checkpointing the
+# per-step peak settles only at the third (measured: 287, 356, 386, 387, 391 MiB over five steps).
+STEPS = 3
 # glibc caches freed heap blocks of up to 32 MiB (its dynamic mmap threshold) in the resident set; with
-# the threshold fixed at 1 MiB every tensor above 1 MiB goes back to the OS when freed, so RSS follows
-# the live tensors, as `torch.cuda.max_memory_allocated` does on GPU (see docs/planner.md).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+# the threshold fixed at 64 KiB every tensor above it goes back to the OS when freed, so RSS follows the
+# live tensors, as `torch.cuda.max_memory_allocated` does on GPU (see docs/planner.md).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**16)}
 FLAG_FIELDS = ("tiled_loss", "tiled_mlp", "offload_activations")
 
 # Tiny Llama: 8 query / 2 key-value heads of 32 (GQA, both SP sizes divide the heads), hidden 256,
@@ -91,6 +92,11 @@ def model_config(point: dict[str, Any]) -> dict[str, Any]:
     return {**MODEL, **point.get("model", {})}
 
 
+def world_of(point: dict[str, Any]) -> int:
+    """Ranks of a point: `world` if given (data parallel over world / sp), else `sp`."""
+    return point.get("world", point["sp"])
+
+
 def run_config(point: dict[str, Any]):
     """The planner's `RunConfig` for a point: DDP engine (a single process has none), fp32."""
     from hf_longctx.planner import RunConfig
@@ -98,7 +104,7 @@ def run_config(point: dict[str, Any]):
     flags = point.get("flags", {})
     return RunConfig(
         seq_len=point["seq_len"],
-        world=point["sp"],
+        world=world_of(point),
         sp=point["sp"],
         engine="ddp",
         dtype="fp32",
@@ -129,7 +135,9 @@ def missing_flags(point: dict[str, Any]) -> list[str]:
 
 
 def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    """One optimizer step of the point's model through `Trainer`; this rank's peak RSS growth (bytes)."""
+    """`STEPS` optimizer steps of the point's model through `Trainer`; this rank's peak RSS growth (bytes)."""
+    import gc
+
     import datasets
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator
@@ -139,10 +147,12 @@ def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str)
 
     seq_len = point["seq_len"]
     vocab = model_config(point)["vocab_size"]
-    ids = torch.randint(0, vocab, (STEPS, seq_len), generator=torch.Generator().manual_seed(0))
+    rows_per_step = world_size // point["sp"]  # data-parallel ranks each read a row per step
+    ids = torch.randint(0, vocab, (STEPS * rows_per_step, seq_len), generator=torch.Generator().manual_seed(0))
     rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     flags = point.get("flags", {})
     parallelism = hf_longctx.ParallelismConfig(sp_size=point["sp"], **flags) if point["sp"] > 1 or flags else None
+    gc.collect()
     start = PeakMemorySampler.rss()
     with PeakMemorySampler(0.001) as sampler:
         config = LlamaConfig(
@@ -174,8 +184,8 @@ def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str)
     return {"peak_bytes": sampler.peak - start, "loss": output.training_loss}
 
 
-def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-    """Run a point in `point["sp"]` fresh processes; the peak over ranks and each rank's, in GiB."""
+def spawn(world: int, worker, *args: Any, timeout: float = 600.0) -> list[Any]:
+    """`run_distributed(worker, world, *args)` with glibc's mmap threshold fixed in the ranks."""
     sys.path.insert(0, str(ROOT))
     from tests._dist import run_distributed
 
@@ -183,15 +193,24 @@ def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
     os.environ.update(MALLOC_ENV)  # read by glibc when the spawned ranks start
     try:
         with tempfile.TemporaryDirectory(prefix="hf_longctx_plan_") as out_dir:
-            ranks = run_distributed(step_worker, point["sp"], point, out_dir, timeout=timeout)
+            return run_distributed(worker, world, *args, out_dir, timeout=timeout)
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key)
             else:
                 os.environ[key] = value
+
+
+def gib_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The peak over ranks and each rank's, in GiB."""
     per_rank = [r["peak_bytes"] / 2**30 for r in ranks]
     return {"measured_gib": max(per_rank), "per_rank_gib": per_rank}
+
+
+def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    """Run a point in fresh processes (one per rank)."""
+    return gib_over_ranks(spawn(world_of(point), step_worker, point, timeout=timeout))
 
 
 def calibrate(measured_gib: float, point: dict[str, Any]) -> float:

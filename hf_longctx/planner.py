@@ -64,7 +64,7 @@ DEVICES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile("h100", 81559 / 1024, 1.5, 0.05),
     "h200": DeviceProfile("h200", 143771 / 1024, 1.5, 0.05),
     "a100-80": DeviceProfile("a100-80", 81920 / 1024, 1.5, 0.05),
-    "cpu": DeviceProfile("cpu", 0.0, 0.06, 0.0, host_is_device=True),
+    "cpu": DeviceProfile("cpu", 0.0, 0.076, 0.0, host_is_device=True),
 }
 
 
@@ -300,9 +300,11 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         terms["gradients"] = states["gradients" if phase in ("backward", "optimizer") else "gradients_persistent"]
         offloaded = run.offload_optimizer or (run.offload_params and run.engine == "fsdp2")
         if phase == "optimizer" and not offloaded and not device.host_is_device:
-            # One fp32 temporary the size of the local optimizer partition (DeepSpeed's fp32 gradient
-            # partition, torch's foreach temporaries; on CPU AdamW steps one tensor at a time).
-            terms["optimizer_states"] += 4 * model.num_params() / (1 if run.engine == "ddp" else run.world)
+            # One temporary the size of the local optimizer partition: DeepSpeed's fp32 gradient
+            # partition, or torch's foreach AdamW sqrt(v) in the states' dtype (on CPU AdamW steps one
+            # tensor at a time).
+            state_bytes = 2 if (run.engine == "ddp" and run.dtype == "bf16") else 4
+            terms["optimizer_states"] += state_bytes * model.num_params() / (1 if run.engine == "ddp" else run.world)
         for key, value in dynamic.items():
             terms[key] += value
         activations = sum(v for k, v in dynamic.items() if k != "zero3_gathers")
