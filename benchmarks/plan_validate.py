@@ -98,7 +98,10 @@ def world_of(point: dict[str, Any]) -> int:
 
 
 def run_config(point: dict[str, Any]):
-    """The planner's `RunConfig` for a point: DDP engine (a single process has none), fp32."""
+    """The planner's `RunConfig` for a point: DDP engine (a single process has none), fp32.
+
+    A point may set `loss_chunk_tokens`: the tiled loss's chunk as the implementation under test uses it.
+    """
     from hf_longctx.planner import RunConfig
 
     flags = point.get("flags", {})
@@ -113,6 +116,7 @@ def run_config(point: dict[str, Any]):
         tiled_loss=flags.get("tiled_loss", False),
         tiled_mlp=flags.get("tiled_mlp", False),
         offload_activations=flags.get("offload_activations", False),
+        loss_chunk_tokens=point.get("loss_chunk_tokens"),
     )
 
 
