@@ -9,6 +9,8 @@ runtime term is calibrated once, on the first point; the others are predictions 
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.plan_validate import TOLERANCE, calibrate, measure, predict
 
 CALIBRATION = {"name": "sp1-s2048", "seq_len": 2048, "sp": 1}
@@ -18,6 +20,7 @@ POINTS = [
 ]
 
 
+@pytest.mark.slow  # three fresh spawns and nine optimizer steps: ~40 s on an idle 2-core machine
 def test_cpu_predictions_within_tolerance_of_measured_peaks():
     runtime = calibrate(measure(CALIBRATION, timeout=240)["measured_gib"], CALIBRATION)
     assert 0 <= runtime < 0.25, f"runtime term {runtime:.3f} GiB: the calibration point is not tensor-dominated"
