@@ -225,7 +225,7 @@ def calibrate(measured_gib: float, point: dict[str, Any]) -> float:
 def validate(points: list[dict[str, Any]], log=print) -> dict[str, Any]:
     """Measure every point, calibrate on the first, predict the rest; rows with relative errors."""
     rows: list[dict[str, Any]] = []
-    runtime = None
+    runtime, calibrated_on = None, None
     for point in points:
         missing = missing_flags(point)
         if missing:
@@ -234,13 +234,13 @@ def validate(points: list[dict[str, Any]], log=print) -> dict[str, Any]:
             continue
         result = measure(point)
         if runtime is None:
-            runtime = calibrate(result["measured_gib"], point)
+            runtime, calibrated_on = calibrate(result["measured_gib"], point), point["name"]
             log(f"calibrated the CPU runtime term on {point['name']}: {runtime:.3f} GiB")
         plan = predict(point, runtime)
         error = plan.peak_gib / result["measured_gib"] - 1
         row = {
             "name": point["name"],
-            "status": "calibration" if point is points[0] else "predicted",
+            "status": "calibration" if point["name"] == calibrated_on else "predicted",
             "point": point,
             "measured_gib": round(result["measured_gib"], 4),
             "per_rank_gib": [round(x, 4) for x in result["per_rank_gib"]],
@@ -254,13 +254,14 @@ def validate(points: list[dict[str, Any]], log=print) -> dict[str, Any]:
             f"{point['name']:28s} measured {row['measured_gib']:.3f} GiB  predicted {plan.peak_gib:.3f} GiB  "
             f"error {100 * error:+.1f}%  ({plan.peak_phase}, {plan.dominant})"
         )
-    return {"runtime_gib": runtime, "tolerance": TOLERANCE, "model": MODEL, "rows": rows}
+    report = {"runtime_gib": runtime, "calibrated_on": calibrated_on, "tolerance": TOLERANCE, "model": MODEL}
+    return {**report, "rows": rows}
 
 
 def to_markdown(report: dict[str, Any]) -> str:
     """The results table quoted in docs/planner.md."""
     lines = [
-        f"CPU runtime term calibrated on `{CALIBRATION['name']}`: {report['runtime_gib']:.3f} GiB; "
+        f"CPU runtime term calibrated on `{report['calibrated_on']}`: {report['runtime_gib'] or 0.0:.3f} GiB; "
         f"tolerance ±{100 * report['tolerance']:.0f}%.",
         "",
         "| point | measured GiB (max over ranks) | predicted GiB | error | peak phase | dominant term |",
