@@ -1,7 +1,7 @@
-"""The `hf-longctx` command line: `check` (is SP exact for my model?) and `demo` (custom loop).
+"""The `hf-longctx` command line: `check` (is SP exact for my model?), `plan` (what fits?) and `demo`.
 
-`main(argv)` only parses and dispatches: `check` lives in `hf_longctx/check.py`, `demo` hands over
-to torchrun running `hf_longctx/demo.py`.
+`main(argv)` only parses and dispatches: `check` lives in `hf_longctx/check.py`, `plan` in
+`hf_longctx/plan_cli.py`, `demo` hands over to torchrun running `hf_longctx/demo.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import subprocess
 import sys
 
-from . import check
+from . import check, plan_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     check.add_arguments(check_parser)
+    plan_parser = commands.add_parser(
+        "plan",
+        help="per-rank peak memory and the longest sequence that fits, before launching (no GPU needed)",
+        description=(
+            "Model one training step's per-rank peak memory by term for a model config, sequence length, "
+            "SP size, engine and memory flags. Exit 0 = fits, 1 = does not fit, 2 = invalid input."
+        ),
+    )
+    plan_cli.add_arguments(plan_parser)
     demo_parser = commands.add_parser(
         "demo",
         help="custom-loop demo: torchrun -m hf_longctx.demo (extra options go to the demo)",
@@ -68,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.nproc, [a for a in extra if a != "--"])
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "plan":
+        return plan_cli.run(args)
     return check.run(args)
 
 

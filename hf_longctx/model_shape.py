@@ -1,0 +1,165 @@
+"""The shape numbers of a decoder-only causal LM that its training memory depends on.
+
+`load_model_shape(name_or_path)` is the main entry: a local `config.json`, a model folder holding
+one, or a name shipped in `hf_longctx/data/model_configs` (`llama3.1-8b`, `qwen3-4b`). Only the
+config is read (no weights, no hub access); `ModelShape.from_config` maps the usual transformers
+config keys, including nested `text_config` and the common MoE names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+SHIPPED_DIR = "model_configs"
+
+# MoE field names across transformers configs: (experts, experts per token, expert intermediate size).
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk")
+_EXPERT_INTERMEDIATE_KEYS = ("moe_intermediate_size", "expert_intermediate_size")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder: what parameters, activations and logits scale with.
+
+    MoE layers count every expert as a parameter and `experts_per_token` experts (plus any shared
+    expert) as activations; routing imbalance is not modelled.
+    """
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model {self.name!r}: {key} must be >= 1, got {getattr(self, key)}.")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"model {self.name!r}: num_attention_heads ({self.heads}) must be a multiple of "
+                f"num_key_value_heads ({self.kv_heads})."
+            )
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
+        """Read a transformers `config.json` dict (a multimodal one through its `text_config`).
+
+        Raises:
+            ValueError: a required size is missing.
+        """
+        config = config.get("text_config") or config
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [k for k in required if k not in config]
+        if missing:
+            raise ValueError(f"config of {name!r} lacks {missing}; pass a decoder LM's config.json.")
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        experts = _first(config, _EXPERT_KEYS, 0)
+        dense_intermediate = int(config.get("intermediate_size") or 4 * hidden)
+        shared = int(config.get("shared_expert_intermediate_size") or 0)
+        expert_intermediate = _first(config, _EXPERT_INTERMEDIATE_KEYS, dense_intermediate if experts else 0)
+        if experts and not shared and config.get("n_shared_experts"):
+            shared = int(config["n_shared_experts"]) * expert_intermediate
+        return cls(
+            name=name,
+            hidden=hidden,
+            layers=int(config["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate=dense_intermediate,
+            vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=config.get("model_type", "") in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text"),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            experts=experts,
+            experts_per_token=_first(config, _TOPK_KEYS, 0) if experts else 0,
+            expert_intermediate=expert_intermediate if experts else 0,
+            shared_intermediate=shared,
+        )
+
+    @property
+    def mlp_width(self) -> int:
+        """Intermediate width one token activates (dense, or top-k experts plus shared experts)."""
+        if self.experts:
+            return self.experts_per_token * self.expert_intermediate + self.shared_intermediate
+        return self.intermediate
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (attention, MLP or experts and router, norms)."""
+        h, d = self.hidden, self.head_dim
+        q, kv = self.heads * d, self.kv_heads * d
+        attn = h * (q + 2 * kv) + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv + h
+        if self.qk_norm:
+            attn += 2 * d
+        if self.experts:
+            mlp = self.experts * 3 * h * self.expert_intermediate + 3 * h * self.shared_intermediate + h * self.experts
+        else:
+            mlp = 3 * h * self.intermediate + (2 * self.intermediate + h if self.mlp_bias else 0)
+        return attn + mlp + 2 * h
+
+    def embedding_params(self) -> int:
+        """Input embedding plus LM head (one matrix when tied) plus the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    def num_params(self) -> int:
+        """All parameters of the causal LM."""
+        return self.layers * self.layer_params() + self.embedding_params()
+
+
+def _first(config: dict[str, Any], keys: tuple[str, ...], default: int) -> int:
+    for key in keys:
+        if config.get(key):
+            return int(config[key])
+    return default
+
+
+def shipped_model_names() -> list[str]:
+    """Names `load_model_shape` accepts without a path (configs shipped in the package)."""
+    folder = files("hf_longctx") / "data" / SHIPPED_DIR
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_model_shape(name_or_path: str) -> ModelShape:
+    """The `ModelShape` of a shipped name, a `config.json` file or a folder holding one.
+
+    Raises:
+        ValueError: neither a shipped name nor a readable config (the message lists the names).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelShape.from_config(json.loads(path.read_text()), name=str(name_or_path))
+    key = name_or_path.lower()
+    if key in shipped_model_names():
+        text = (files("hf_longctx") / "data" / SHIPPED_DIR / f"{key}.json").read_text()
+        return ModelShape.from_config(json.loads(text), name=key)
+    raise ValueError(
+        f"--model {name_or_path!r} is neither a config.json, a folder holding one, nor a shipped name; "
+        f"shipped names: {shipped_model_names()} (no hub access: download config.json yourself)."
+    )
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Integer ceiling of a / b."""
+    return -(-a // b)

@@ -1,0 +1,143 @@
+"""`hf-longctx plan`: per-rank peak memory and the longest trainable sequence, before launching.
+
+`add_arguments` defines the flags, `run` prints the plan (a table, or one JSON object with `--json`).
+The numbers come from `planner.estimate` / `planner.max_seq_len`; nothing is launched or downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .model_shape import load_model_shape, shipped_model_names
+from .planner import ATTNS, DEVICES, DTYPES, ENGINES, DeviceProfile, Plan, RunConfig, estimate, max_seq_len
+
+GENERIC_GPU = DeviceProfile("gpu", 0.0, DEVICES["h100"].runtime_gib, DEVICES["h100"].fragmentation)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `plan` subcommand's flags."""
+    parser.add_argument(
+        "--model", required=True, help=f"config.json, a model folder, or a shipped name ({shipped_model_names()})"
+    )
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (S)")
+    parser.add_argument("--world", type=int, default=None, help="ranks in all (default: --sp)")
+    parser.add_argument("--sp", type=int, default=1, help="ranks that split one sequence (Ulysses SP degree)")
+    device = parser.add_mutually_exclusive_group()
+    device.add_argument("--gpu", choices=sorted(DEVICES), default="h100", help="device profile (default h100)")
+    device.add_argument("--gpu-memory", type=float, metavar="GIB", help="a GPU with this many GiB instead")
+    parser.add_argument("--engine", choices=ENGINES, default="ddp", help="data-parallel engine (default ddp)")
+    parser.add_argument("--offload-optimizer", action="store_true", help="DeepSpeed optimizer states on the CPU")
+    parser.add_argument("--offload-params", action="store_true", help="ZeRO-3 / FSDP2 parameters on the CPU")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="keep one hidden state per layer")
+    parser.add_argument("--tiled-loss", action="store_true", help="LM head + cross-entropy in chunks")
+    parser.add_argument(
+        "--tiled-mlp",
+        nargs="?",
+        const=True,
+        default=False,
+        type=int,
+        metavar="N",
+        help="MLP over sequence tiles (N tiles; default ceil(tokens / hidden))",
+    )
+    parser.add_argument("--offload-activations", action="store_true", help="checkpointed layer inputs on the host")
+    parser.add_argument("--liger-kernels", action="store_true", help="Liger RMSNorm/SwiGLU/RoPE/fused loss (ALST)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default bf16)")
+    parser.add_argument("--attn", choices=ATTNS, default="flash", help="attention kernel (default flash)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
+    parser.add_argument("--max-seq", action="store_true", help="also bisect the longest S that fits")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def device_profile(args: argparse.Namespace) -> DeviceProfile:
+    """The chosen profile; `--gpu-memory` gives a generic GPU, `--gpu cpu` this machine's RAM."""
+    if args.gpu_memory is not None:
+        if args.gpu_memory <= 0:
+            raise ValueError(f"--gpu-memory must be > 0 GiB, got {args.gpu_memory}.")
+        return GENERIC_GPU.with_capacity(args.gpu_memory)
+    profile = DEVICES[args.gpu]
+    if profile.host_is_device:
+        return profile.with_capacity(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30)
+    return profile
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The `RunConfig` the flags describe."""
+    return RunConfig(
+        seq_len=args.seq_len,
+        world=args.world if args.world is not None else args.sp,
+        sp=args.sp,
+        micro_batch=args.micro_batch,
+        engine=args.engine,
+        dtype=args.dtype,
+        attn=args.attn,
+        gradient_checkpointing=args.gradient_checkpointing,
+        tiled_loss=args.tiled_loss,
+        tiled_mlp=args.tiled_mlp,
+        offload_activations=args.offload_activations,
+        offload_optimizer=args.offload_optimizer,
+        offload_params=args.offload_params,
+        liger_kernels=args.liger_kernels,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; exit 0 when it fits, 1 when it does not, 2 on invalid input."""
+    try:
+        model = load_model_shape(args.model)
+        config = run_config(args)
+        device = device_profile(args)
+        plan = estimate(model, config, device)
+        longest = max_seq_len(model, config, device) if args.max_seq else None
+    except ValueError as exc:
+        print(f"hf-longctx plan: error: {exc}", file=sys.stderr)
+        return 2
+    if longest is not None:
+        plan = Plan(**{**plan.__dict__, "max_seq": longest})
+    if args.json:
+        out: dict[str, Any] = {"model": model.name, "device": device.name, "run": vars(config), **plan.as_dict()}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan, model.name, config, device))
+    return 0 if plan.fits else 1
+
+
+def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfile) -> str:
+    """The human-readable table."""
+    flags = [
+        name
+        for name, on in (
+            ("gradient checkpointing", run.gradient_checkpointing),
+            ("tiled loss", run.tiled_loss),
+            (f"tiled MLP ({'auto' if run.tiled_mlp is True else run.tiled_mlp} tiles)", run.tiled_mlp),
+            ("offloaded activations", run.offload_activations),
+            ("offloaded optimizer", run.offload_optimizer),
+            ("offloaded parameters", run.offload_params),
+            ("Liger kernels", run.liger_kernels),
+        )
+        if on
+    ]
+    lines = [
+        f"hf-longctx plan: {model_name} ({plan.num_params / 1e9:.2f}B parameters), S = {run.seq_len:,} tokens, "
+        f"world {run.world}, SP {run.sp}, micro-batch {run.micro_batch} -> {plan.tokens_per_rank:,} tokens per rank",
+        f"  {run.engine}, {run.dtype}, {run.attn} attention" + (", " + ", ".join(flags) if flags else ""),
+        f"  device {device.name}: {plan.capacity_gib:.2f} GiB",
+        "",
+        f"  {'term (at the peak phase)':32s} {'GiB':>9s}",
+    ]
+    for term, gib in plan.breakdown.items():
+        lines.append(f"  {term.replace('_', ' '):32s} {gib:9.2f}")
+    share = plan.breakdown[plan.dominant] / plan.peak_gib if plan.peak_gib else 0.0
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines += [
+        f"  {'-' * 42}",
+        f"  {'peak (' + plan.peak_phase + ' phase)':32s} {plan.peak_gib:9.2f}  of {plan.capacity_gib:.2f}: {verdict}",
+        f"  dominant term: {plan.dominant.replace('_', ' ')} ({100 * share:.0f}% of the peak)",
+    ]
+    if plan.max_seq is not None:
+        lines.append(f"  longest sequence that fits: {plan.max_seq:,} tokens")
+    lines += [f"  note: {note}" for note in plan.notes]
+    return "\n".join(lines)

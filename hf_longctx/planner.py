@@ -1,0 +1,354 @@
+"""Per-rank peak memory of one training step under hf_longctx, and the longest sequence that fits.
+
+`estimate(model, run, device)` is the main function: a pure model of (model shape, run config,
+device) -> the memory of each term at the step's peak. `max_seq_len` bisects it over the
+sequence length. Nothing here touches torch or a GPU, so a plan costs microseconds and runs
+anywhere; `hf-longctx plan` is its command line (`plan_cli.py`). Each term, and why it has the
+size it has, is documented in docs/planner.md; the per-token activation formulas live in
+`planner_terms.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .model_shape import ModelShape, ceil_div
+from .planner_terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes
+
+GIB = 2**30
+ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+DTYPES = ("bf16", "fp32")
+ATTNS = ("flash", "sdpa", "eager")
+TERMS = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "zero3_gathers",
+    "saved_activations",
+    "recompute",
+    "backward_transients",
+    "logits_loss",
+    "all_to_all_buffers",
+    "allocator_runtime_overhead",
+)
+# DeepSpeed's default `stage3_max_live_parameters`: ZeRO-3 keeps up to this many gathered
+# parameters on the device (prefetched and reused ones), in the compute dtype.
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator (or the CPU): usable capacity and the memory no tensor formula sees.
+
+    `runtime_gib` is the fixed cost (CUDA context, NCCL communicators, cuBLAS workspaces; on CPU the
+    process growth of the first step); `fragmentation` is the allocator's slack as a fraction of the
+    step's activation memory. `host_is_device` marks the CPU, where offloading moves nothing.
+    """
+
+    name: str
+    capacity_gib: float
+    runtime_gib: float
+    fragmentation: float
+    host_is_device: bool = False
+
+    def with_capacity(self, capacity_gib: float) -> DeviceProfile:
+        """The same profile with another capacity (`--gpu-memory`)."""
+        return DeviceProfile(self.name, capacity_gib, self.runtime_gib, self.fragmentation, self.host_is_device)
+
+
+# Capacities are what nvidia-smi reports as total memory (MiB / 1024). Runtime: CUDA context (~0.5 GiB)
+# plus NCCL communicator buffers and cuBLAS workspaces (~1 GiB); fragmentation: the caching
+# allocator's slack over the activation working set (a few percent with expandable segments).
+# The CPU runtime term is calibrated once from one measured point (docs/planner.md).
+DEVICES: dict[str, DeviceProfile] = {
+    "h100": DeviceProfile("h100", 81559 / 1024, 1.5, 0.05),
+    "h200": DeviceProfile("h200", 143771 / 1024, 1.5, 0.05),
+    "a100-80": DeviceProfile("a100-80", 81920 / 1024, 1.5, 0.05),
+    "cpu": DeviceProfile("cpu", 0.0, 0.076, 0.0, host_is_device=True),
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a training run does per rank; field names follow `hf-longctx plan`'s flags.
+
+    `world` ranks in all, `sp` of them split each sequence; every rank is a data-parallel rank to
+    the engine (hf_longctx hides its SP axis from DeepSpeed / FSDP), so ZeRO and FSDP shard over
+    `world`. `tiled_mlp` is False, True (tiles of `hidden` tokens, DeepSpeed's TiledMLP rule) or a
+    tile count. `loss_chunk_tokens` overrides the tiled loss's chunk (default: see `loss_bytes`).
+    """
+
+    seq_len: int
+    world: int = 1
+    sp: int = 1
+    micro_batch: int = 1
+    engine: str = "ddp"
+    dtype: str = "bf16"
+    attn: str = "flash"
+    gradient_checkpointing: bool = False
+    tiled_loss: bool = False
+    tiled_mlp: bool | int = False
+    offload_activations: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    liger_kernels: bool = False
+    loss_chunk_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("seq_len", "world", "sp", "micro_batch"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}.")
+        if self.world % self.sp:
+            raise ValueError(f"--world ({self.world}) must be a multiple of --sp ({self.sp}).")
+        for key, allowed in (("engine", ENGINES), ("dtype", DTYPES), ("attn", ATTNS)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"--{key} {getattr(self, key)!r} is not one of {list(allowed)}.")
+        if self.offload_optimizer and self.engine not in ("zero1", "zero2", "zero3"):
+            raise ValueError(
+                "--offload-optimizer needs a DeepSpeed engine (--engine zero1/zero2/zero3); FSDP2 offloads "
+                "parameters, gradients and optimizer states together: use --engine fsdp2 --offload-params."
+            )
+        if self.offload_params and self.engine not in ("zero3", "fsdp2"):
+            raise ValueError("--offload-params needs --engine zero3 or --engine fsdp2 (sharded parameters).")
+        if self.offload_params and self.engine == "zero3" and not self.offload_optimizer:
+            raise ValueError("DeepSpeed offloads parameters only with the optimizer: add --offload-optimizer.")
+        if not isinstance(self.tiled_mlp, bool) and (not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 1):
+            raise ValueError(f"tiled_mlp must be True/False or a tile count >= 1, got {self.tiled_mlp!r}.")
+        if self.offload_activations and not self.gradient_checkpointing:
+            raise ValueError(
+                "--offload-activations offloads the checkpointed layer inputs: add --gradient-checkpointing."
+            )
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}.")
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one activation element (the compute dtype)."""
+        return 2 if self.dtype == "bf16" else 4
+
+    def with_seq_len(self, seq_len: int) -> RunConfig:
+        """The same run at another sequence length."""
+        return RunConfig(**{**asdict(self), "seq_len": seq_len})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer: the peak phase's terms in GiB, whether they fit, and what dominates."""
+
+    peak_gib: float
+    capacity_gib: float
+    fits: bool
+    breakdown: dict[str, float]
+    dominant: str
+    peak_phase: str
+    phases: dict[str, float]
+    tokens_per_rank: int
+    num_params: int
+    max_seq: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict (`hf-longctx plan --json`)."""
+        out = asdict(self)
+        if self.max_seq is None:
+            out.pop("max_seq")
+        return out
+
+
+def check_heads(model: ModelShape, sp: int) -> None:
+    """Ulysses splits query heads: raise a `ValueError` listing the SP sizes that work."""
+    if model.heads % sp:
+        valid = [p for p in range(1, model.heads + 1) if model.heads % p == 0]
+        raise ValueError(
+            f"Ulysses needs num_attention_heads ({model.heads}) divisible by --sp ({sp}); valid --sp: {valid}."
+        )
+
+
+def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
+    """Parameters, gradients and optimizer states held on one rank's device (AdamW).
+
+    bf16 on DeepSpeed: bf16 weights and gradients, fp32 master weights + Adam m and v in the
+    optimizer (2 + 2 + 12 bytes per parameter). bf16 on FSDP2: accelerate keeps fp32 sharded weights
+    for mixed precision (4 + 4 + 8). bf16 on DDP: the weights as loaded in bf16 (what the recipes do),
+    so AdamW's m and v are bf16 too (2 + 2 + 4), plus DDP's bucket copy of the gradients when there is
+    more than one rank. fp32: 4 + 4 + 8. Returns `gradients` (backward and optimizer step) and
+    `gradients_persistent` (forward and loss): DeepSpeed's flat gradient buffers and DDP's bucket copy
+    live through the whole step, torch's `param.grad` only from backward on (`zero_grad(set_to_none=True)`).
+    """
+    n, w = model.num_params(), run.world
+    deepspeed = run.engine.startswith("zero")
+    mixed = run.dtype == "bf16"
+    p_bytes, g_bytes, o_bytes = (4, 4, 8)
+    if mixed and deepspeed:
+        p_bytes, g_bytes, o_bytes = (2, 2, 12)
+    elif mixed and run.engine == "ddp":
+        p_bytes, g_bytes, o_bytes = (2, 2, 4)
+    params, grads, optim = n * p_bytes, n * g_bytes, n * o_bytes
+    # DDP's flat gradient buckets (gradient_as_bucket_view=False, torch's default) from two ranks on.
+    buckets = grads if run.engine == "ddp" and run.world > 1 else 0.0
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, w), "zero2": (1, w, w), "zero3": (w, w, w), "fsdp2": (w, w, w)}
+    ps, gs, os_ = shard[run.engine]
+    params, grads, optim = params / ps, grads / gs, optim / os_
+    if run.offload_optimizer:
+        optim = 0.0
+        if run.engine != "zero1":
+            grads = 0.0  # DeepSpeed keeps the gradient partitions next to the CPU optimizer
+    if run.offload_params:
+        params = 0.0
+        if run.engine == "fsdp2":
+            grads, optim = 0.0, 0.0  # CPUOffloadPolicy: sharded params, grads and the step on the host
+    persistent = grads + buckets if deepspeed else buckets
+    return {
+        "parameters": params,
+        "gradients": grads + buckets,
+        "gradients_persistent": persistent,
+        "optimizer_states": optim,
+    }
+
+
+def gather_bytes(model: ModelShape, run: RunConfig, phase: str) -> float:
+    """Unsharded parameters (and their full-size gradients before reduce-scatter) in a phase.
+
+    ZeRO-3 keeps up to `stage3_max_live_parameters` gathered; FSDP2 holds its root module (embedding,
+    LM head) unsharded through forward and backward plus the current and the prefetched layer. In the
+    loss phase the LM head's full gradient, in the backward phase one layer's, exists before it is
+    reduce-scattered.
+    """
+    if run.engine not in ("zero3", "fsdp2") or (run.world == 1 and not run.offload_params):
+        return 0.0
+    p = run.act_bytes
+    unsharded = 1.0 if run.offload_params else 1 - 1 / run.world
+    head = model.vocab * model.hidden
+    if run.engine == "zero3":
+        live = min(model.num_params(), DS_MAX_LIVE_PARAMETERS) * p * unsharded
+    else:
+        live = (model.embedding_params() + 2 * model.layer_params()) * p * unsharded
+    if phase == "loss":
+        return live + head * p
+    if phase == "backward":
+        return live + model.layer_params() * p
+    return live if phase == "forward" else 0.0
+
+
+def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
+    """Per-rank peak memory of one training step (forward, loss, backward, optimizer step).
+
+    Args:
+        model: the architecture (`load_model_shape`).
+        run: sequence length, ranks, engine and memory flags.
+        device: capacity and overheads (`DEVICES[...]`, or `.with_capacity(...)`).
+
+    Returns:
+        A `Plan`: the terms of the phase with the highest total, in GiB (they sum to `peak_gib`).
+
+    Raises:
+        ValueError: `run.sp` does not divide the query heads.
+    """
+    check_heads(model, run.sp)
+    notes: list[str] = []
+    a, h, n_layers = run.act_bytes, model.hidden, model.layers
+    tokens = run.micro_batch * ceil_div(run.seq_len, run.sp)  # local tokens, padded to a multiple of sp
+    states = model_state_bytes(model, run)
+    layer: LayerBytes = layer_bytes(model, run, tokens, device.host_is_device)
+
+    checkpoint = tokens * h * a
+    if run.gradient_checkpointing:
+        resident = n_layers
+        if run.offload_activations and not device.host_is_device:
+            resident = min(2, n_layers)  # the layer being recomputed and the prefetched one
+        elif run.offload_activations:
+            notes.append("on the CPU, offloaded activations stay in the same memory: no saving")
+        stored = resident * checkpoint
+        if resident < n_layers:
+            host = _gib((n_layers - resident) * checkpoint)
+            notes.append(f"{n_layers - resident} checkpointed layer inputs ({host} GiB) live on the host")
+    else:
+        stored = n_layers * layer.saved
+    stored += layer.shared
+    final_norm = tokens * norm_bytes(h, a, run.liger_kernels)
+    logits = loss_bytes(model, run, tokens, fused=run.tiled_loss and not device.host_is_device)
+
+    phases: dict[str, dict[str, float]] = {
+        "forward": {
+            "saved_activations": stored,
+            "backward_transients": layer.forward,
+            "all_to_all_buffers": layer.all_to_all,
+            "zero3_gathers": gather_bytes(model, run, "forward"),
+        },
+        "loss": {
+            "saved_activations": stored + final_norm,
+            "logits_loss": logits,
+            "zero3_gathers": gather_bytes(model, run, "loss"),
+        },
+        "backward": {
+            "saved_activations": stored,
+            "recompute": layer.saved if run.gradient_checkpointing else 0.0,
+            # The gradient of the residual stream and of the layer output stay alive across the layer.
+            "backward_transients": layer.backward + 2 * checkpoint,
+            "all_to_all_buffers": layer.all_to_all,
+            "zero3_gathers": gather_bytes(model, run, "backward"),
+        },
+        "optimizer": {},
+    }
+    totals: dict[str, float] = {}
+    detail: dict[str, dict[str, float]] = {}
+    for phase, dynamic in phases.items():
+        terms = dict.fromkeys(TERMS, 0.0)
+        terms["parameters"] = states["parameters"]
+        terms["optimizer_states"] = states["optimizer_states"]
+        terms["gradients"] = states["gradients" if phase in ("backward", "optimizer") else "gradients_persistent"]
+        offloaded = run.offload_optimizer or (run.offload_params and run.engine == "fsdp2")
+        if phase == "optimizer" and not offloaded and not device.host_is_device:
+            # One temporary the size of the local optimizer partition: DeepSpeed's fp32 gradient
+            # partition, or torch's foreach AdamW sqrt(v) in the states' dtype (on CPU AdamW steps one
+            # tensor at a time).
+            state_bytes = 2 if (run.engine == "ddp" and run.dtype == "bf16") else 4
+            terms["optimizer_states"] += state_bytes * model.num_params() / (1 if run.engine == "ddp" else run.world)
+        for key, value in dynamic.items():
+            terms[key] += value
+        activations = sum(v for k, v in dynamic.items() if k != "zero3_gathers")
+        terms["allocator_runtime_overhead"] = device.runtime_gib * GIB + device.fragmentation * activations
+        detail[phase] = terms
+        totals[phase] = sum(terms.values())
+    peak_phase = max(totals, key=totals.get)
+    breakdown = {k: _gib(v) for k, v in detail[peak_phase].items()}
+    peak = totals[peak_phase] / GIB
+    capacity = device.capacity_gib
+    return Plan(
+        peak_gib=round(peak, 3),
+        capacity_gib=round(capacity, 3),
+        fits=peak <= capacity,
+        breakdown=breakdown,
+        dominant=max(breakdown, key=breakdown.get),
+        peak_phase=peak_phase,
+        phases={k: _gib(v) for k, v in totals.items()},
+        tokens_per_rank=tokens,
+        num_params=model.num_params(),
+        notes=notes,
+    )
+
+
+def max_seq_len(model: ModelShape, run: RunConfig, device: DeviceProfile, limit: int = 2**34) -> int:
+    """The longest sequence length (a multiple of `run.sp`) whose plan fits; 0 if none does.
+
+    The peak grows monotonically with the sequence length, so a bisection over multiples of sp finds
+    the boundary in about 35 evaluations.
+    """
+
+    def fits(units: int) -> bool:
+        return estimate(model, run.with_seq_len(units * run.sp), device).fits
+
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi * run.sp > limit:
+            return lo * run.sp
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * run.sp
+
+
+def _gib(value: float) -> float:
+    return round(value / GIB, 3)

@@ -1,0 +1,147 @@
+"""Activation bytes of one decoder layer and of the logits/loss, per rank, for `planner.estimate`.
+
+Each count follows what autograd keeps alive in transformers' modules (RMSNorm upcasts its input to
+fp32 and saves it; the gated MLP saves gate, activation, up and their product; flash kernels save
+q, k, v, the output and the log-sum-exp) or in the Liger kernels that replace them. `T` is the
+rank's tokens, `Sp` the padded sequence the attention kernel sees, `a` the activation dtype's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .model_shape import ModelShape, ceil_div
+
+if TYPE_CHECKING:
+    from .planner import RunConfig
+
+# Chunked (non-fused) tiled loss: chunks of about 1 GiB of fp32 logits, the rule of DeepSpeed's
+# `TiledFusedLogitsLoss` users (ArcticTraining's SFT trainer).
+LOSS_CHUNK_FP32_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One decoder layer on one rank, in bytes.
+
+    saved: what its backward needs (kept per layer without checkpointing; rebuilt one layer at a time
+    with it). forward / backward: transients beyond `saved` while the layer runs. all_to_all: the
+    packed send buffer of a Ulysses exchange. shared: per-forward buffers every layer reads (masks).
+    """
+
+    saved: float
+    saved_mlp: float
+    forward: float
+    backward: float
+    all_to_all: float
+    shared: float
+
+
+def norm_bytes(hidden: int, a: int, liger: bool) -> float:
+    """Bytes per token an RMSNorm saves: transformers' saves its fp32 input, 1/rms and the normalised
+    output before and after the weight; Liger's saves its input, output and 1/rms."""
+    return 2 * a * hidden + 4 if liger else (4 + 2 * a) * hidden + 4
+
+
+def kv_heads_per_rank(model: ModelShape, sp: int) -> int:
+    """Key/value heads each rank receives in hf_longctx's Ulysses exchange (see `head_layout`)."""
+    if sp == 1 or model.kv_heads % sp == 0:
+        return model.kv_heads // sp
+    q_local, group = model.heads // sp, model.heads // model.kv_heads
+    return 1 if group % q_local == 0 else q_local
+
+
+def mlp_tile_tokens(model: ModelShape, run: RunConfig, tokens: int) -> int:
+    """Tokens per MLP tile: `tokens / tiles`, tiles = the given count or ceil(tokens / hidden)."""
+    if run.tiled_mlp is True:
+        tiles = ceil_div(tokens, model.hidden)
+    else:
+        tiles = int(run.tiled_mlp)
+    return ceil_div(tokens, max(1, min(tiles, tokens)))
+
+
+def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> LayerBytes:
+    """Saved and transient bytes of one decoder layer on one rank (see the module docstring)."""
+    a, h, d, sp = run.act_bytes, model.hidden, model.head_dim, run.sp
+    heads, width, liger = model.heads, model.mlp_width, run.liger_kernels
+    kv = kv_heads_per_rank(model, sp)
+    T = tokens
+    seq = tokens * sp // run.micro_batch  # tokens of one sequence the kernel sees
+    q_local = heads // sp
+    qkv = a * T * d * (heads + 2 * sp * kv)  # q, k, v in the kernel's head-sharded layout
+    out = a * T * heads * d
+
+    saved_attn = T * norm_bytes(h, a, liger)
+    if model.qk_norm:
+        # Per query and key head: the norm's input (fp32 for transformers' norm), its output and 1/rms.
+        per_head = a * d + 4 if liger else (4 + a) * d + 4
+        saved_attn += T * per_head * (heads + model.kv_heads)
+    quadratic = run.micro_batch * q_local * seq * seq  # score elements per layer on this rank
+    shared = 0.0
+    if run.attn == "eager":
+        # repeat_kv expands k and v to the local query heads; softmax output in fp32 (+ its cast).
+        saved_attn += a * T * heads * d * 3 + (qkv - a * T * heads * d if sp > 1 else 0)
+        saved_attn += quadratic * (4 + (a if a < 4 else 0))
+        saved_attn += out  # o_proj input
+        shared = run.micro_batch * seq * seq * (a + (1 if sp > 1 else 0))  # additive mask (+ boolean)
+        # Gradient of the probabilities, of the softmax input (fp32) and, in bf16, of the cast between.
+        attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv
+    else:
+        saved_attn += qkv + 4 * T * heads  # q, k, v and the fp32 log-sum-exp
+        # The kernel's output is o_proj's input without SP (flash and sdpa write [bs, sl, hc, hs]); with
+        # SP the all-to-all back makes a second copy.
+        copies = 1 if sp == 1 else 2
+        saved_attn += copies * out
+        attn_bwd = qkv  # dq, dk, dv
+        if run.attn == "flash" and not on_cpu:
+            attn_bwd += 4 * T * heads * d  # flash-attn 2's fp32 dq accumulator
+            if kv < q_local:
+                attn_bwd += 2 * a * T * heads * d  # dk, dv expanded to every query head
+    tiled = run.tiled_mlp is not False
+    mlp_saved_factor = 3 if liger else 4
+    saved_mlp = T * norm_bytes(h, a, liger)
+    if tiled:
+        tile = mlp_tile_tokens(model, run, T)
+        mlp_fwd = a * tile * width * 3 + a * T * h
+        mlp_bwd = a * tile * width * (mlp_saved_factor + (1 if liger else 2)) + a * T * h
+    else:
+        saved_mlp += a * T * width * mlp_saved_factor
+        mlp_fwd = a * T * width * 3 if run.gradient_checkpointing else 0.0
+        mlp_bwd = a * T * width * (1 if liger else 2)
+    if model.experts:
+        saved_mlp += 4 * T * model.experts  # router logits
+    saved = saved_attn + saved_mlp
+    forward = max(mlp_fwd, qkv if run.gradient_checkpointing else 0.0)
+    # MLP backward runs with the whole layer saved; attention backward after the MLP's part is freed.
+    backward = max(mlp_bwd, attn_bwd - saved_mlp, 0.0)
+    all_to_all = qkv if sp > 1 else 0.0
+    return LayerBytes(saved, saved_mlp, forward, backward, all_to_all, shared)
+
+
+def loss_bytes(model: ModelShape, run: RunConfig, tokens: int, fused: bool) -> float:
+    """Peak bytes of the LM head + cross-entropy on one rank.
+
+    Untiled (transformers' loss): logits in the compute dtype, their fp32 upcast and the fp32
+    log-probabilities in forward; in backward the log-probabilities, the NLL gradient and the
+    gradient of the logits, all fp32: 12 bytes per logit. Fused (Liger's fused linear
+    cross-entropy, used on GPU when installed, and whenever Liger kernels are on): the gradient of
+    the hidden states, the LM head's gradient (+ one matmul temporary) and one chunk of
+    `next_pow2(T / ceil(V / h))` tokens' logits. Chunked (tiled loss without Liger): one chunk of
+    about 1 GiB of fp32 logits at 12 bytes per logit, plus the hidden states' gradient.
+    """
+    a, h, v, T = run.act_bytes, model.hidden, model.vocab, tokens
+    fused = fused or run.liger_kernels
+    if fused:
+        chunk = min(T, _next_pow2(ceil_div(T, ceil_div(v, h))))
+        return a * T * h + 2 * a * v * h + a * chunk * v
+    upcast = 4 if a < 4 else 0
+    per_logit = max(a + upcast + 4, 12)
+    if not run.tiled_loss:
+        return per_logit * T * v
+    chunk = run.loss_chunk_tokens or max(1, LOSS_CHUNK_FP32_BYTES // (4 * v))
+    return per_logit * min(chunk, T) * v + a * T * h
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,89 @@
+"""`hf-longctx plan` on the command line: output, JSON contract, exit codes, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_longctx.cli import main
+from hf_longctx.model_shape import load_model_shape
+from hf_longctx.planner import DEVICES, RunConfig, estimate, max_seq_len
+
+QWEN_128K = ["plan", "--model", "qwen3-4b", "--seq-len", "131072", "--world", "4", "--sp", "4"]
+
+
+def _json(capsys, argv):
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_json_has_the_contract_fields_and_matches_the_library(capsys):
+    argv = [*QWEN_128K, "--engine", "zero3", "--gradient-checkpointing", "--max-seq"]
+    code, out = _json(capsys, argv)
+    run = RunConfig(seq_len=131072, world=4, sp=4, engine="zero3", gradient_checkpointing=True)
+    plan = estimate(load_model_shape("qwen3-4b"), run, DEVICES["h100"])
+    assert {"peak_gib", "fits", "capacity_gib", "breakdown", "max_seq", "dominant"} <= set(out)
+    assert out["peak_gib"] == plan.peak_gib and out["fits"] == plan.fits and out["breakdown"] == plan.breakdown
+    assert out["max_seq"] == max_seq_len(load_model_shape("qwen3-4b"), run, DEVICES["h100"])
+    assert code == (0 if plan.fits else 1)
+    assert "max_seq" not in _json(capsys, QWEN_128K)[1]
+
+
+def test_text_output_names_terms_dominant_and_verdict(capsys):
+    code = main([*QWEN_128K, "--gradient-checkpointing", "--max-seq"])
+    text = capsys.readouterr().out
+    assert code == 1
+    for term in ("parameters", "optimizer states", "zero3 gathers", "logits loss", "all to all buffers"):
+        assert term in text
+    assert "dominant term: logits loss" in text and "does NOT fit" in text
+    assert "longest sequence that fits:" in text
+
+
+def test_flags_reach_the_run(capsys):
+    argv = [*QWEN_128K, "--gradient-checkpointing", "--tiled-loss", "--tiled-mlp", "8", "--offload-activations"]
+    code, out = _json(capsys, argv)
+    assert out["run"]["tiled_mlp"] == 8 and out["run"]["tiled_loss"] and out["run"]["offload_activations"]
+    assert code == 0 and out["breakdown"]["logits_loss"] < 1.0
+    assert _json(capsys, [*QWEN_128K, "--tiled-mlp"])[1]["run"]["tiled_mlp"] is True
+
+
+def test_gpu_memory_and_cpu_profiles(capsys):
+    _, small = _json(capsys, [*QWEN_128K, "--gpu-memory", "24"])
+    assert small["capacity_gib"] == 24 and not small["fits"]
+    _, cpu = _json(capsys, [*QWEN_128K, "--gpu", "cpu", "--dtype", "fp32", "--attn", "sdpa"])
+    assert cpu["device"] == "cpu" and cpu["capacity_gib"] > 0
+
+
+def test_config_path_model(capsys, tmp_path):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out = _json(capsys, ["plan", "--model", str(tmp_path), "--seq-len", "4096", "--sp", "2"])
+    assert code == 0 and out["tokens_per_rank"] == 2048 and out["model"] == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--sp", "3", "--world", "3"], "valid --sp"),
+        (["--engine", "ddp", "--offload-optimizer"], "DeepSpeed engine"),
+        (["--gpu-memory", "0"], "--gpu-memory"),
+    ],
+)
+def test_invalid_input_exits_2_naming_the_fix(capsys, extra, message):
+    argv = ["plan", "--model", "qwen3-4b", "--seq-len", "8192", *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_exits_2(capsys):
+    assert main(["plan", "--model", "nope", "--seq-len", "8"]) == 2
+    assert "qwen3-4b" in capsys.readouterr().err

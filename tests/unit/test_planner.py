@@ -1,0 +1,327 @@
+"""The memory planner as a pure function: shapes, model states, activation terms, flags, bisection.
+
+References are computed independently in each test: parameter counts from real transformers models
+(built on the meta device), saved-activation bytes from autograd's own saved tensors of a tiny model
+(`saved_tensors_hooks`), and closed forms written out here for the simple terms.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from hf_longctx.model_shape import ModelShape, load_model_shape, shipped_model_names
+from hf_longctx.planner import (
+    DEVICES,
+    GIB,
+    TERMS,
+    RunConfig,
+    estimate,
+    max_seq_len,
+    model_state_bytes,
+)
+from hf_longctx.planner_terms import layer_bytes, loss_bytes, norm_bytes
+
+H100, CPU = DEVICES["h100"], DEVICES["cpu"].with_capacity(1e6)
+LLAMA = load_model_shape("llama3.1-8b")
+QWEN = load_model_shape("qwen3-4b")
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 320,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": False,
+}
+
+
+def _meta_params(model_cls, config) -> int:
+    with torch.device("meta"):
+        model = model_cls(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---- model shapes --------------------------------------------------------------------------------
+
+
+def test_shipped_names_are_the_recipe_models():
+    assert {"llama3.1-8b", "qwen3-4b"} <= set(shipped_model_names())
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b", "qwen3-4b"])
+def test_shipped_config_parameter_count_matches_transformers(name):
+    from importlib.resources import files
+
+    raw = json.loads((files("hf_longctx") / "data" / "model_configs" / f"{name}.json").read_text())
+    config = AutoConfig.for_model(**raw)
+    assert load_model_shape(name).num_params() == _meta_params(AutoModelForCausalLM.from_config, config)
+
+
+@pytest.mark.parametrize(
+    "model_cls, config",
+    [
+        (LlamaForCausalLM, LlamaConfig(**TINY)),
+        (LlamaForCausalLM, LlamaConfig(**{**TINY, "attention_bias": True, "mlp_bias": True})),
+        (Qwen3ForCausalLM, Qwen3Config(**{**TINY, "tie_word_embeddings": True})),
+        (MixtralForCausalLM, MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)),
+    ],
+    ids=["llama", "llama-bias", "qwen3-tied", "mixtral"],
+)
+def test_parameter_count_matches_transformers(model_cls, config):
+    shape = ModelShape.from_config(config.to_dict())
+    assert shape.num_params() == _meta_params(model_cls, config)
+
+
+def test_load_model_shape_from_file_and_folder(tmp_path):
+    config = LlamaConfig(**TINY).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_file = load_model_shape(str(tmp_path / "config.json"))
+    from_dir = load_model_shape(str(tmp_path))
+    assert from_file.num_params() == from_dir.num_params() == _meta_params(LlamaForCausalLM, LlamaConfig(**TINY))
+    nested = {"model_type": "llava", "text_config": config}
+    assert ModelShape.from_config(nested).hidden == TINY["hidden_size"]
+
+
+def test_unknown_model_names_the_shipped_ones():
+    with pytest.raises(ValueError, match="llama3.1-8b"):
+        load_model_shape("no-such-model")
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelShape.from_config({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+
+
+# ---- activation formulas against autograd's saved tensors ----------------------------------------
+
+
+def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in a forward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layer_saved_bytes_match_autograd(arch, dtype, attn):
+    """Without checkpointing a forward saves L layers + the final norm: the planner's per-layer count."""
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    config = config_cls(**TINY, use_cache=False, attn_implementation=attn)
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.bfloat16 if dtype == "bf16" else torch.float32).train()
+    tokens = 256
+    measured = _saved_bytes(model, torch.randint(0, TINY["vocab_size"], (1, tokens)))
+    shape = ModelShape.from_config(config.to_dict())
+    run = RunConfig(seq_len=tokens, dtype=dtype, attn=attn)
+    layer = layer_bytes(shape, run, tokens, on_cpu=True)
+    # Not planner terms: the embedding's int64 indices and RoPE's cos/sin (shared by every layer).
+    extra = 8 * tokens + 2 * tokens * shape.head_dim * run.act_bytes
+    predicted = shape.layers * layer.saved + tokens * norm_bytes(shape.hidden, run.act_bytes, False) + extra
+    assert predicted == measured
+
+
+def test_eager_scores_grow_quadratically_flash_linearly():
+    run = RunConfig(seq_len=4096, attn="eager")
+    small, big = (layer_bytes(QWEN, run.with_seq_len(s), s, False).saved for s in (4096, 8192))
+    flash_small, flash_big = (layer_bytes(QWEN, RunConfig(seq_len=s), s, False).saved for s in (4096, 8192))
+    assert flash_big == pytest.approx(2 * flash_small)
+    assert big > 3.5 * small
+
+
+# ---- model states --------------------------------------------------------------------------------
+
+
+def test_model_states_bytes_per_parameter():
+    n = LLAMA.num_params()
+    ddp = model_state_bytes(LLAMA, RunConfig(seq_len=1, dtype="fp32"))
+    assert (ddp["parameters"], ddp["gradients"], ddp["optimizer_states"]) == (4 * n, 4 * n, 8 * n)
+    assert ddp["gradients_persistent"] == 0  # param.grad only from backward on (set_to_none)
+    ddp2 = model_state_bytes(LLAMA, RunConfig(seq_len=1, world=2, dtype="fp32"))
+    assert ddp2["gradients"] == 8 * n and ddp2["gradients_persistent"] == 4 * n  # + DDP's buckets
+    zero = {e: model_state_bytes(LLAMA, RunConfig(seq_len=1, world=8, engine=e)) for e in ("zero1", "zero2", "zero3")}
+    assert zero["zero1"]["parameters"] == 2 * n and zero["zero1"]["optimizer_states"] == 12 * n / 8
+    assert zero["zero2"]["gradients"] == 2 * n / 8 and zero["zero2"]["parameters"] == 2 * n
+    assert zero["zero3"]["parameters"] == 2 * n / 8 == zero["zero3"]["gradients_persistent"]
+
+
+def test_offload_moves_states_off_the_device():
+    run = RunConfig(seq_len=1, world=8, engine="zero3", offload_optimizer=True)
+    states = model_state_bytes(LLAMA, run)
+    assert states["optimizer_states"] == 0 and states["gradients"] == 0
+    assert states["parameters"] == 2 * LLAMA.num_params() / 8
+    both = model_state_bytes(LLAMA, RunConfig(seq_len=1, engine="zero3", offload_optimizer=True, offload_params=True))
+    assert both["parameters"] == 0
+    fsdp = model_state_bytes(LLAMA, RunConfig(seq_len=1, world=4, engine="fsdp2", offload_params=True))
+    assert fsdp == {"parameters": 0, "gradients": 0, "gradients_persistent": 0, "optimizer_states": 0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world": 6, "sp": 4}, "multiple of --sp"),
+        ({"engine": "ddp", "offload_optimizer": True}, "DeepSpeed engine"),
+        ({"engine": "fsdp2", "offload_optimizer": True}, "fsdp2 --offload-params"),
+        ({"engine": "zero2", "offload_params": True}, "zero3 or"),
+        ({"engine": "zero3", "offload_params": True}, "add --offload-optimizer"),
+        ({"offload_activations": True}, "add --gradient-checkpointing"),
+        ({"tiled_mlp": 0}, "tile count"),
+        ({"engine": "megatron"}, "--engine"),
+        ({"seq_len": 0}, "seq_len"),
+    ],
+)
+def test_invalid_runs_name_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**{"seq_len": 1024, **kwargs})
+
+
+def test_sp_must_divide_query_heads():
+    with pytest.raises(ValueError, match=r"valid --sp: \[1, 2, 4, 8, 16, 32\]"):
+        estimate(LLAMA, RunConfig(seq_len=1024, world=3, sp=3), H100)
+
+
+# ---- the step's terms ----------------------------------------------------------------------------
+
+
+def test_breakdown_sums_to_peak_and_names_every_term():
+    plan = estimate(QWEN, RunConfig(seq_len=65536, world=4, sp=4, engine="zero3", gradient_checkpointing=True), H100)
+    assert tuple(plan.breakdown) == TERMS
+    assert sum(plan.breakdown.values()) == pytest.approx(plan.peak_gib, abs=0.01)
+    assert plan.dominant == max(plan.breakdown, key=plan.breakdown.get)
+    assert plan.peak_gib == pytest.approx(max(plan.phases.values()), abs=0.01)
+    assert plan.fits == (plan.peak_gib <= plan.capacity_gib)
+
+
+def test_checkpoints_and_untiled_logits_closed_form():
+    """Checkpointing keeps L hidden states of T x h; the plain loss peaks at 12 fp32 bytes per logit."""
+    s, sp = 131072, 8
+    run = RunConfig(seq_len=s, world=sp, sp=sp, engine="zero3", gradient_checkpointing=True)
+    plan = estimate(LLAMA, run, H100)
+    tokens = s // sp
+    assert plan.phases["loss"] > plan.phases["backward"]
+    checkpoints = LLAMA.layers * tokens * LLAMA.hidden * 2
+    final_norm = tokens * ((4 + 2 * 2) * LLAMA.hidden + 4)
+    assert plan.breakdown["saved_activations"] == pytest.approx((checkpoints + final_norm) / GIB, abs=1e-3)
+    assert plan.breakdown["logits_loss"] == pytest.approx(12 * tokens * LLAMA.vocab / GIB, abs=1e-3)
+
+
+def test_offloaded_activations_keep_two_layers_on_gpu_but_nothing_moves_on_cpu():
+    run = RunConfig(seq_len=262144, world=8, sp=8, engine="zero3", gradient_checkpointing=True, tiled_loss=True)
+    on = RunConfig(**{**run.__dict__, "offload_activations": True})
+    tokens, per_layer = 262144 // 8, 262144 // 8 * LLAMA.hidden * 2
+    gpu_off, gpu_on = estimate(LLAMA, run, H100), estimate(LLAMA, on, H100)
+    saved_off, saved_on = (p.breakdown["saved_activations"] * GIB for p in (gpu_off, gpu_on))
+    assert saved_off - saved_on == pytest.approx((LLAMA.layers - 2) * per_layer, rel=1e-4)
+    assert any("on the host" in note for note in gpu_on.notes)
+    cpu_off, cpu_on = estimate(LLAMA, run, CPU), estimate(LLAMA, on, CPU)
+    assert cpu_on.peak_gib == cpu_off.peak_gib and any("same memory" in n for n in cpu_on.notes)
+    assert tokens == gpu_on.tokens_per_rank
+
+
+def test_tiled_loss_and_tiled_mlp_shrink_their_terms():
+    base = RunConfig(seq_len=1_048_576, world=8, sp=8, engine="zero3", gradient_checkpointing=True)
+    tokens = 1_048_576 // 8
+    untiled = loss_bytes(LLAMA, base, tokens, fused=False)
+    fused = loss_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_loss": True}), tokens, fused=True)
+    assert untiled == 12 * tokens * LLAMA.vocab and fused < untiled / 40
+    chunked = loss_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_loss": True}), tokens, fused=False)
+    assert fused < chunked < untiled / 10
+    plain = layer_bytes(LLAMA, base, tokens, on_cpu=False)
+    tiled = layer_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_mlp": True}), tokens, on_cpu=False)
+    mlp_saved = 2 * tokens * LLAMA.intermediate * 4  # gate, act, up, product in bf16
+    assert plain.saved - tiled.saved == pytest.approx(mlp_saved)
+    assert tiled.backward < plain.backward
+    one_tile = layer_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_mlp": 1}), tokens, on_cpu=False)
+    assert one_tile.backward > tiled.backward
+
+
+def test_ulysses_kv_replication_and_buffers():
+    """At SP > kv heads every rank receives one kv head: q, k, v of the full sequence for H/sp heads."""
+    tokens = 4096
+    for sp in (4, 8, 16, 32):
+        run = RunConfig(seq_len=tokens * sp, world=sp, sp=sp, gradient_checkpointing=True)
+        layer = layer_bytes(LLAMA, run, tokens, on_cpu=False)
+        kv_per_rank = max(LLAMA.kv_heads // sp, 1)
+        full_seq = tokens * sp
+        qkv = 2 * full_seq * LLAMA.head_dim * (LLAMA.heads // sp + 2 * kv_per_rank)
+        assert layer.all_to_all == qkv
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seq=st.integers(1, 2**22),
+    sp=st.sampled_from([1, 2, 4, 8]),
+    engine=st.sampled_from(["ddp", "zero1", "zero2", "zero3", "fsdp2"]),
+    gc=st.booleans(),
+    tiled=st.booleans(),
+    attn=st.sampled_from(["flash", "sdpa", "eager"]),
+)
+def test_peak_is_monotonic_in_sequence_length(seq, sp, engine, gc, tiled, attn):
+    flags = {"gradient_checkpointing": gc, "tiled_loss": tiled, "tiled_mlp": tiled}
+    run = RunConfig(seq_len=seq, world=sp, sp=sp, engine=engine, attn=attn, **flags)
+    a, b = (estimate(QWEN, run.with_seq_len(s), H100).peak_gib for s in (seq, seq + sp))
+    assert b >= a
+
+
+def test_sp_divides_per_rank_activations():
+    """Per-rank activations at SP=k, S=kx equal SP=1, S=x up to the all-to-all copies."""
+    one = estimate(QWEN, RunConfig(seq_len=32768, gradient_checkpointing=True), H100)
+    four = estimate(QWEN, RunConfig(seq_len=4 * 32768, world=4, sp=4, gradient_checkpointing=True), H100)
+    assert four.breakdown["logits_loss"] == one.breakdown["logits_loss"]
+    assert four.breakdown["saved_activations"] == one.breakdown["saved_activations"]
+
+
+# ---- longest sequence ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sp", [1, 8])
+def test_max_seq_len_is_the_fit_boundary(sp):
+    run = RunConfig(seq_len=1, world=8, sp=sp, engine="zero3", offload_optimizer=True, gradient_checkpointing=True)
+    longest = max_seq_len(LLAMA, run, H100)
+    assert longest % sp == 0 and longest > 0
+    assert estimate(LLAMA, run.with_seq_len(longest), H100).fits
+    assert not estimate(LLAMA, run.with_seq_len(longest + sp), H100).fits
+
+
+def test_max_seq_len_is_zero_when_nothing_fits():
+    assert max_seq_len(LLAMA, RunConfig(seq_len=1), H100.with_capacity(10.0)) == 0
+
+
+def test_validation_harness_maps_points_to_runs():
+    """`benchmarks/plan_validate.py`: the measured configuration is the one the planner is asked about."""
+    from benchmarks.plan_validate import missing_flags, run_config
+
+    point = {"name": "x", "seq_len": 8192, "sp": 2, "gradient_checkpointing": True, "flags": {"tiled_mlp": 4}}
+    run = run_config(point)
+    assert (run.seq_len, run.world, run.sp, run.engine, run.dtype, run.attn) == (8192, 2, 2, "ddp", "fp32", "sdpa")
+    assert run.gradient_checkpointing and run.tiled_mlp == 4 and not run.tiled_loss
+    assert run_config({"name": "y", "seq_len": 64, "sp": 1, "world": 2}).world == 2
+    import dataclasses
+
+    import hf_longctx
+
+    fields = {f.name for f in dataclasses.fields(hf_longctx.ParallelismConfig)}
+    assert missing_flags(point) == ([] if "tiled_mlp" in fields else ["tiled_mlp"])
