@@ -79,13 +79,13 @@ def full_prediction(
     (`include_for_metrics=["inputs"]`), puts the whole sequence back into `inputs`.
     """
     loss, logits, labels = outputs
-    if "shift_labels" not in inputs:
+    signature = inputs.get(SIGNATURE_KEY)
+    if not isinstance(signature, torch.Tensor):
         return outputs  # not a batch of our collator: nothing is sharded
     if loss is not None:
         loss = all_reduce_sum(_loss_share(trainer, groups, inputs, loss, seen), groups.sp_group)
-    signature = inputs.get(SIGNATURE_KEY)
-    length = int(signature[2]) if isinstance(signature, torch.Tensor) else None
-    shard_len = inputs["shift_labels"].shape[1]
+    length = int(signature[2])  # the batch's sequence length before SP padding
+    shard_len = inputs["position_ids"].shape[1]
     logits = _gather_tokens(logits, shard_len, length, groups)
     if isinstance(labels, torch.Tensor) and list(trainer.label_names) == ["labels"] and ORIGINAL_LABELS_KEY in inputs:
         labels = inputs[ORIGINAL_LABELS_KEY]
