@@ -48,7 +48,8 @@ class SequenceParallelState:
         model = _unwrap(model)
         if getattr(model, "config", None) is None or any(h.model is model for h in self.handles):
             return
-        self.handles.append(enable_sequence_parallel(model, self.groups, backend=self.config.sp_backend))
+        # ring/hybrid/auto options: see ParallelismConfig.attention_options (hf_longctx issue 10)
+        self.handles.append(enable_sequence_parallel(model, self.groups, **self.config.attention_options()))
 
 
 def _unwrap(model: Any) -> Any:
@@ -163,7 +164,9 @@ def _prepare_data_loader(
             "batch itself; set accelerator_config={'dispatch_batches': False}."
         )
     if not isinstance(data_loader.collate_fn, SequenceShardingCollator):
-        data_loader.collate_fn = SequenceShardingCollator(data_loader.collate_fn, groups.sp_rank, groups.sp_world_size)
+        data_loader.collate_fn = SequenceShardingCollator(
+            data_loader.collate_fn, groups.sp_rank, groups.sp_world_size, layout=groups.layout_slot
+        )
     if device_placement is None:
         device_placement = (
             accelerator.device_placement if accelerator.distributed_type != DistributedType.XLA else False

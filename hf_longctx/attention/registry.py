@@ -1,9 +1,10 @@
 """The only module that touches transformers' attention registries.
 
-`enable_sequence_parallel(model, groups)` is the main entry: it registers a Ulysses wrapper of
-the model's own kernel under a fresh key (other models in the process keep theirs), points the
-model's text config at that key, and adds one forward pre-hook that all-gathers the global
-`position_ids` once per forward. Everything is undone by `handle.remove()`.
+`enable_sequence_parallel(model, groups, backend)` is the main entry: it registers the backend's
+attention (a Ulysses wrapper of the model's own kernel, or ring / hybrid attention) under a fresh key
+(other models in the process keep theirs), points the model's text config at that key, claims the
+token layout on `groups` (what `shard_batch` produces), and adds one forward pre-hook that
+all-gathers the global `position_ids` once per forward. Everything is undone by `handle.remove()`.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ import torch
 
 from .. import _compat
 from ..comm import all_gather_sequence
+from ..data.layout import LAYOUT_KEY, to_global_order
 from ..data.loader import SIGNATURE_KEY, check_shard_consistency
 from ..groups import SequenceParallelGroups
+from ..ring_comm import ring_of
+from .auto import detect_link
+from .backends import BACKENDS, SPBackend, resolve_backend
+from .hybrid import check_ring_model, hybrid_attention
 from .kernels import SequenceContext, kernel_family
-from .ulysses import check_heads, ulysses_attention
+from .ulysses import ulysses_attention
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("ulysses",)
 KEY_PREFIX = "hf_longctx_ulysses"
 _HANDLE_ATTR = "_hf_longctx_sp_handle"
 CONTEXT_KWARG = "hf_longctx_sp_context"
@@ -35,8 +40,11 @@ _keys = itertools.count()
 class SequenceParallelHandle:
     """Undo record of `enable_sequence_parallel`; `.remove()` or leaving the `with` block restores all."""
 
-    def __init__(self, model: torch.nn.Module, groups: SequenceParallelGroups, key: str, kernel_name: str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, groups: SequenceParallelGroups, key: str, kernel_name: str, backend: SPBackend
+    ) -> None:
         self.model, self.groups, self.key, self.kernel_name = model, groups, key, kernel_name
+        self.backend = backend  # what runs: Ulysses, ring or hybrid, its degrees and token layout
         self.context: SequenceContext | None = None
         self.attention_calls = 0  # Ulysses calls in the current forward (see `_check_layers`)
         self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
@@ -65,6 +73,13 @@ class SequenceParallelHandle:
     def _capture_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
         # Forward pre-hook: one shape check and one all-gather per forward, shared by every layer.
         signature = kwargs.pop(SIGNATURE_KEY, None)
+        layout = kwargs.pop(LAYOUT_KEY, None)
+        if layout is not None and layout != self.backend.layout:
+            raise ValueError(
+                f"The batch was sharded in the {layout!r} token layout but {self.backend.name} attention expects "
+                f"{self.backend.layout!r}: shard with hf_longctx.shard_batch(batch, groups) after enabling SP on the "
+                "model, with the same groups."
+            )
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(
@@ -73,7 +88,8 @@ class SequenceParallelHandle:
             )
         check_shard_consistency(position_ids, signature, self.groups)
         self.attention_calls = 0
-        self.context = SequenceContext(all_gather_sequence(position_ids.long(), self.groups.sp_group))
+        gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
+        self.context = SequenceContext(to_global_order(gathered, self.backend.layout, self.groups.sp_world_size))
         # Also ride along the forward's kwargs: activation checkpointing replays those, so a layer
         # recomputed in backward sees its own forward's context even if another forward ran since.
         if self._forward_takes_kwargs:
@@ -129,25 +145,40 @@ def _attention_config(model: torch.nn.Module) -> Any:
 
 
 def enable_sequence_parallel(
-    model: torch.nn.Module, groups: SequenceParallelGroups, backend: str = "ulysses"
+    model: torch.nn.Module,
+    groups: SequenceParallelGroups,
+    backend: str = "ulysses",
+    *,
+    ulysses_degree: int | None = None,
+    ring_variant: str | None = None,
+    ring_layout: str = "zigzag",
 ) -> SequenceParallelHandle:
     """Make `model`'s attention sequence-parallel over `groups.sp_group`.
 
     Call it on the unwrapped model, before DDP/FSDP/DeepSpeed wrapping or after (the hook and the
-    config are on the model object itself). Batches must then come from `hf_longctx.shard_batch`.
+    config are on the model object itself). Batches must then come from `hf_longctx.shard_batch`
+    (or the Trainer integration), which follows the token layout this call sets on `groups`.
 
     Args:
         model: a transformers model whose attention uses `ALL_ATTENTION_FUNCTIONS`.
         groups: the process groups from `SequenceParallelGroups.build`.
-        backend: "ulysses" (the only one available in this version).
+        backend: "ulysses" (all-to-all, the model's own kernel), "ring" (ring attention over the SP
+            group), "hybrid" (Ulysses inside groups of `ulysses_degree` consecutive ranks x ring
+            across them) or "auto" (chosen from the heads, SP size and ranks per node; logged).
+        ulysses_degree: hybrid/auto: the Ulysses degree (default: chosen, see `attention/auto.py`).
+        ring_variant: "p2p" (pass-KV, the default) or "allgather" (auto: chosen).
+        ring_layout: "zigzag" (default: balanced causal work) or "contiguous", for ring and hybrid.
 
     Returns:
         A handle; `handle.remove()` (or leaving it as a context manager) restores the model exactly.
+        `handle.backend` says what runs.
 
     Raises:
-        ValueError: unknown backend, SP already enabled on this model, an unsupported attention
-            implementation, head counts incompatible with the SP size, or token mixing outside
-            attention (convolutions, state-space or linear-attention layers).
+        ValueError: unknown backend or options, SP already enabled on this model, an unsupported
+            attention implementation, head counts incompatible with the backend and SP size, ring
+            attention with soft-capping or sinks, another model on `groups` with a different token
+            layout, or token mixing outside attention (convolutions, state-space or linear-attention
+            layers).
     """
     _compat.check_versions()
     if backend not in BACKENDS:
@@ -158,11 +189,32 @@ def enable_sequence_parallel(
     kernel_name = config._attn_implementation or "eager"
     family = kernel_family(kernel_name)
     num_heads = config.num_attention_heads
-    check_heads(num_heads, groups.sp_world_size)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    device = next(model.parameters()).device
+    sp = resolve_backend(
+        backend,
+        num_heads,
+        num_kv_heads,
+        groups.sp_world_size,
+        ulysses_degree=ulysses_degree,
+        ring_variant=ring_variant,
+        ring_layout=ring_layout,
+        ranks_per_node=groups.ranks_per_node,
+        link=detect_link(device),
+    )
+    if sp.name != "ulysses":
+        check_ring_model(config, model)
     check_token_mixers(model)
+    groups.layout_slot.claim(sp.layout)  # raises before anything else is changed
+    try:
+        ring_attention_kwargs = _ring_kwargs(sp, groups)
+    except Exception:
+        groups.layout_slot.release()
+        raise
 
     key = f"{KEY_PREFIX}_{next(_keys)}"
-    handle = SequenceParallelHandle(model, groups, key, kernel_name)
+    handle = SequenceParallelHandle(model, groups, key, kernel_name, sp)
+    handle._undo.append(groups.layout_slot.release)
     kernels: dict[type, Callable[..., Any]] = {}
 
     def attention(module: torch.nn.Module, query, key_, value, attention_mask, **kwargs):
@@ -170,6 +222,8 @@ def enable_sequence_parallel(
         if context is None:
             raise ValueError("No sequence context: the model must be called through its top-level forward.")
         handle.attention_calls += 1
+        if ring_attention_kwargs is not None:
+            return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
         kernel = kernels.get(type(module))
         if kernel is None:
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
@@ -206,9 +260,28 @@ def enable_sequence_parallel(
         handle.remove()
         raise
     logger.info(
-        "hf_longctx: %s attention over %d ranks (kernel %s, key %s)", backend, groups.sp_world_size, kernel_name, key
+        "hf_longctx: %s attention over %d ranks (kernel %s, key %s)%s",
+        sp.name,
+        groups.sp_world_size,
+        kernel_name if sp.name == "ulysses" else "ring LSE kernels",
+        key,
+        f"; {backend}: {sp.reason}" if sp.reason else "",
     )
     return handle
+
+
+def _ring_kwargs(sp: SPBackend, groups: SequenceParallelGroups) -> dict[str, Any] | None:
+    """The process groups and options `hybrid_attention` takes (None for Ulysses)."""
+    if sp.name == "ulysses":
+        return None
+    hybrid = groups.hybrid(sp.ulysses_degree)
+    return {
+        "layout": sp.layout,
+        "sp_world_size": groups.sp_world_size,
+        "ulysses": groups.ulysses_view(hybrid),
+        "ring": ring_of(hybrid.ring_group, hybrid.ring_ranks),
+        "variant": sp.ring_variant,
+    }
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..groups import SequenceParallelGroups
 from ..instrument import timed_collective
+from .layout import LAYOUT_KEY
 from .sharding import shard_batch_for_rank
 
 _SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
@@ -101,11 +102,17 @@ def shard_batch(
 
     Returns:
         The local shard: `input_ids`, `position_ids` (global), `shift_labels` (when labels were
-        given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed.
+        given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed. The
+        token layout is the one the backend enabled on `groups` expects (`groups.layout`:
+        contiguous for Ulysses, zigzag for ring/hybrid, which also names it under `LAYOUT_KEY`).
 
     Raises:
         ValueError: the ranks disagree on the batch, left padding, or a malformed batch.
     """
     if check:
         check_batch_consistency(batch, groups)
-    return shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id)
+    layout = groups.layout
+    shard = shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id, layout=layout)
+    if layout != "contiguous":
+        shard[LAYOUT_KEY] = layout
+    return shard
