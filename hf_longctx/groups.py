@@ -150,6 +150,7 @@ class SequenceParallelGroups:
             ulysses_group=u_group,
             ulysses_rank=u_ranks.index(rank),
             ulysses_size=len(u_ranks),
+            ulysses_ranks=u_ranks,
             ring_group=r_group,
             ring_rank=r_ranks.index(rank),
             ring_size=len(r_ranks),
@@ -172,11 +173,12 @@ class SequenceParallelGroups:
 @dataclass(frozen=True)
 class HybridGroups:
     """One rank's place in the Ulysses x ring decomposition of its SP group (SP rank = ring rank x U +
-    Ulysses rank). `ring_ranks` are the global ranks of the ring group, in ring order."""
+    Ulysses rank). `ulysses_ranks` / `ring_ranks` are the global ranks of the two groups, in group order."""
 
     ulysses_group: dist.ProcessGroup | None
     ulysses_rank: int
     ulysses_size: int
+    ulysses_ranks: tuple[int, ...]
     ring_group: dist.ProcessGroup | None
     ring_rank: int
     ring_size: int

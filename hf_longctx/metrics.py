@@ -16,14 +16,17 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather_sequence, all_reduce_sum
+from .data.layout import to_global_order
 from .groups import SequenceParallelGroups
 
 
 def merge_sp_group(data: torch.Tensor, groups: SequenceParallelGroups) -> torch.Tensor:
     """One DP rank's value from its SP shards: sequence tensors concatenated on dim 1, others summed."""
     data = data.detach()
-    if data.dim() >= 2:
-        return all_gather_sequence(data.contiguous(), groups.sp_group, dim=1)
+    if data.dim() >= 2:  # shards in rank order, put back in sequence order (zigzag layout: issue 10)
+        return to_global_order(
+            all_gather_sequence(data.contiguous(), groups.sp_group, dim=1), groups.layout, groups.sp_world_size
+        )
     return all_reduce_sum(data.reshape(-1) if data.dim() == 0 else data, groups.sp_group)
 
 

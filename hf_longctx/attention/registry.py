@@ -31,7 +31,7 @@ from .ulysses import ulysses_attention
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "hf_longctx_ulysses"
+KEY_PREFIX = "hf_longctx"  # keys: hf_longctx_<backend>_<n>, e.g. hf_longctx_ulysses_0
 _HANDLE_ATTR = "_hf_longctx_sp_handle"
 CONTEXT_KWARG = "hf_longctx_sp_context"
 _keys = itertools.count()
@@ -212,7 +212,7 @@ def enable_sequence_parallel(
         groups.layout_slot.release()
         raise
 
-    key = f"{KEY_PREFIX}_{next(_keys)}"
+    key = f"{KEY_PREFIX}_{sp.name}_{next(_keys)}"
     handle = SequenceParallelHandle(model, groups, key, kernel_name, sp)
     handle._undo.append(groups.layout_slot.release)
     kernels: dict[type, Callable[..., Any]] = {}

@@ -169,8 +169,43 @@ class _AttentionModule(torch.nn.Module):
         self.config = type("Config", (), {"layer_types": types, "attention_chunk_size": chunk})()
 
 
-def ops_worker(rank: int, world_size: int, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Run the named cases at SP = world_size; every rank returns its errors per case."""
+# Communication volume: (variant, Ulysses degree) per world size, on an 8 / 2-head float32 layer.
+BYTES_SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 16, "seq_len": 128}
+BYTES_RUNS = {2: (("p2p", 1), ("allgather", 1)), 4: (("p2p", 1), ("p2p", 2), ("allgather", 2))}
+
+
+def measure_bytes(groups: hf_longctx.SequenceParallelGroups, variant: str, ulysses: int) -> dict:
+    """Collectives (per op: calls, bytes sent by this rank) of one layer's forward and backward."""
+    from hf_longctx.instrument import record_collectives
+
+    case = OpCase("bytes", dtype="float32", variant=variant, ulysses=ulysses, **BYTES_SHAPE)
+    t = case_tensors(case)
+    pos, _ = case_layout(case)
+    idx = layout_indices(case.layout, groups.sp_rank, groups.sp_world_size, case.seq_len)
+    hybrid = groups.hybrid(ulysses)
+    q, k, v = (t[n][:, :, idx].float().requires_grad_() for n in ("q", "k", "v"))
+    with record_collectives() as stats:
+        out, _ = hybrid_attention(
+            _AttentionModule(None),
+            q,
+            k,
+            v,
+            context=SequenceContext(pos),
+            layout=case.layout,
+            sp_world_size=groups.sp_world_size,
+            ulysses=groups.ulysses_view(hybrid),
+            ring=ring_of(hybrid.ring_group, hybrid.ring_ranks),
+            variant=variant,
+        )
+        out.backward(t["dout"][:, idx].float())
+    return stats.as_dict()
+
+
+def ops_worker(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
+    """Run the named cases at SP = world_size (every rank returns its errors per case), then the
+    communication-volume runs."""
     torch.manual_seed(0)
     groups = hf_longctx.SequenceParallelGroups.build(world_size)
-    return {name: run_case(CASES_BY_NAME[name], groups) for name in names}
+    cases = {name: run_case(CASES_BY_NAME[name], groups) for name in names}
+    volume = {run: measure_bytes(groups, *run) for run in BYTES_RUNS[world_size]}
+    return {"cases": cases, "bytes": volume}

@@ -149,10 +149,10 @@ def sft_dataset(kind: str, n: int, seed: int = 5):
 # ---- Trainer runs --------------------------------------------------------------------------------
 
 
-def _parallelism(sp: int):
+def _parallelism(sp: int, options: dict | None = None):
     import hf_longctx
 
-    return hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
+    return hf_longctx.ParallelismConfig(sp_size=sp, **(options or {})) if sp > 1 else None
 
 
 def _logs(trainer: Any, keys: tuple[str, ...]) -> list[dict[str, float]]:
@@ -173,11 +173,13 @@ def run_trainer(
     eval_data: tuple[tuple[str, int], ...] = (),
     save_steps: int | None = None,
     resume_from: str | None = None,
+    sp_options: dict | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
     SGD runs without clipping (max_grad_norm=0: grad_norm is still logged), AdamW clips at 1.0.
     `epochs` set means an epoch-based run (max_steps unset). `resume_from` is a checkpoint directory.
+    `sp_options`: more `ParallelismConfig` fields (sp_backend, ulysses_degree, ring_variant, ...).
     """
     from transformers import Trainer, TrainingArguments
 
@@ -203,7 +205,7 @@ def run_trainer(
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
         remove_unused_columns=False,
-        parallelism_config=_parallelism(sp),
+        parallelism_config=_parallelism(sp, sp_options),
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset(*data), data_collator=collator)
     trainer.train(resume_from_checkpoint=resume_from)
@@ -293,6 +295,7 @@ def run_sft(
     eval_data: dict[str, tuple[str, int]] | None = None,
     steps: int = 4,
     epochs: float | None = None,
+    sp_options: dict | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
 
@@ -329,7 +332,7 @@ def run_sft(
         packing=packing,
         max_length=64,
         completion_only_loss=completion_only,
-        parallelism_config=_parallelism(sp),
+        parallelism_config=_parallelism(sp, sp_options),
     )
     eval_sets = {name: sft_dataset(kind, n, seed=11) for name, (kind, n) in (eval_data or {}).items()}
     trainer = SFTTrainer(

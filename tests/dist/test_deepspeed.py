@@ -39,7 +39,7 @@ def _collate(features):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def _train(rank: int, world_size: int, out: str, stages: list[int | None]) -> dict:
+def _train(rank: int, world_size: int, out: str, stages: list[int | None], sp_options: dict | None = None) -> dict:
     import os
 
     from accelerate import PartialState
@@ -79,11 +79,13 @@ def _train(rank: int, world_size: int, out: str, stages: list[int | None]) -> di
             remove_unused_columns=False,
             seed=1,
             disable_tqdm=True,
-            parallelism_config=hf_longctx.ParallelismConfig(sp_size=world_size) if world_size > 1 else None,
+            parallelism_config=(
+                hf_longctx.ParallelismConfig(sp_size=world_size, **(sp_options or {})) if world_size > 1 else None
+            ),
         )
         trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=_dataset(), data_collator=_collate)
         trainer.train()
-        assert trainer.model.config._attn_implementation.startswith("hf_longctx_ulysses") == (world_size > 1)
+        assert trainer.model.config._attn_implementation.startswith("hf_longctx_") == (world_size > 1)
         results[stage] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     return results
 
