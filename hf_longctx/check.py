@@ -52,6 +52,7 @@ class WorkerSpec:
         output: file rank 0 writes the results to (`torch.save`).
         pid_dir: folder where every rank writes its process id (to clean up after a timeout).
         fault: one of `FAULTS` to break the run on purpose, or None.
+        backend, ulysses_degree, ring_variant: the SP backend under test (`enable_sequence_parallel`).
     """
 
     config_dir: str
@@ -63,6 +64,9 @@ class WorkerSpec:
     output: str
     pid_dir: str
     fault: str | None = None
+    backend: str = "ulysses"
+    ulysses_degree: int | None = None
+    ring_variant: str | None = None
 
     def save(self, path: Path) -> None:
         """Write the spec as JSON to `path`."""
@@ -335,11 +339,12 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     return StepResult(loss.item(), _take_grads(model), weights_sha256(model))
 
 
-def valid_labels_per_rank(batch: Mapping[str, torch.Tensor], sp: int) -> list[int]:
+def valid_labels_per_rank(batch: Mapping[str, torch.Tensor], sp: int, layout: str = "contiguous") -> list[int]:
     """Number of valid shift labels in each SP rank's shard (pure; what the workers will see)."""
     from .data.sharding import IGNORE_INDEX, shard_batch_for_rank
 
-    return [int((shard_batch_for_rank(batch, r, sp)["shift_labels"] != IGNORE_INDEX).sum()) for r in range(sp)]
+    shards = [shard_batch_for_rank(batch, r, sp, layout=layout) for r in range(sp)]
+    return [int((shard["shift_labels"] != IGNORE_INDEX).sum()) for shard in shards]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,7 +376,8 @@ def worker_main(spec_path: str) -> None:
         batch = make_batch(
             model.config.get_text_config().vocab_size, spec.seq_len, spec.batch_size, spec.packed, spec.seed
         )
-        with enable_sequence_parallel(model, groups):
+        options = {"backend": spec.backend, "ulysses_degree": spec.ulysses_degree, "ring_variant": spec.ring_variant}
+        with enable_sequence_parallel(model, groups, **options):
             shard = shard_batch(batch, groups)
             if spec.fault == "skip-positions":
                 bs, local = shard["input_ids"].shape
@@ -470,6 +476,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--packed", action="store_true", help="pack 3 documents per row (restarting positions)")
     parser.add_argument(
+        "--backend",
+        choices=("ulysses", "ring", "hybrid", "auto"),
+        default="ulysses",
+        help="SP backend under test (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ulysses-degree", type=int, default=None, help="hybrid/auto: Ulysses degree (default: chosen)"
+    )
+    parser.add_argument(
+        "--ring-variant",
+        choices=("p2p", "allgather"),
+        default=None,
+        help="ring/hybrid variant (default: p2p; auto chooses)",
+    )
+    parser.add_argument(
         "--tolerance-loss", type=float, default=1e-5, help="max relative loss difference (default: %(default)s)"
     )
     parser.add_argument(
@@ -563,8 +584,10 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         input (bad options, no config, unsupported model, heads not divisible by `--sp`), in
         which case nothing is launched.
     """
+    from .attention.backends import resolve_backend
+    from .attention.hybrid import check_ring_model
     from .attention.registry import enable_sequence_parallel
-    from .attention.ulysses import check_heads, head_layout
+    from .data.layout import pad_multiple
     from .groups import SequenceParallelGroups
 
     out = emit or (lambda line: print(line, flush=True))
@@ -576,9 +599,18 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
             _validate(args)
             original = load_config(args.model)
             heads, kv_heads = head_counts(original)
-            check_heads(heads, sp)
-            head_layout(heads, kv_heads, sp)
-            padded = args.seq_len + (-args.seq_len % sp)
+            # What the workers will run (auto resolved as on one host of sp ranks): raises for bad heads/options.
+            backend = resolve_backend(
+                args.backend,
+                heads,
+                kv_heads,
+                sp,
+                ulysses_degree=args.ulysses_degree,
+                ring_variant=args.ring_variant,
+                ranks_per_node=sp,
+                link="host",
+            )
+            padded = args.seq_len + (-args.seq_len % pad_multiple(backend.layout, sp))
             config, notes = shrink_config(
                 original, layers=args.layers, hidden=args.hidden, min_positions=padded, attn=args.attn
             )
@@ -586,6 +618,8 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
             model = build_model(tmp / "model", args.attn, SEED)
             # Validates the kernel and the model type the way the workers will, before launching.
             enable_sequence_parallel(model, SequenceParallelGroups.single()).remove()
+            if backend.name != "ulysses":
+                check_ring_model(model.config.get_text_config(), model)
         except ValueError as exc:
             out(f"INVALID: {exc}")
             return EXIT_INVALID
@@ -604,7 +638,12 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         out(
             f"  batch: {args.batch_size} x {args.seq_len} tokens (padded to {padded}, {padded // sp} per rank), "
             f"packed: {'3 docs/row' if args.packed else 'no'}, valid labels per SP rank: "
-            f"{valid_labels_per_rank(batch, sp)}"
+            f"{valid_labels_per_rank(batch, sp, backend.layout)}"
+        )
+        out(
+            f"  backend: {backend.name} (Ulysses degree {backend.ulysses_degree} x ring {backend.ring_size}, "
+            f"{backend.layout} layout{', ' + backend.ring_variant if backend.ring_size > 1 else ''})"
+            + (f"; {args.backend}: {backend.reason}" if args.backend == "auto" else "")
         )
         if args.inject_fault:
             out(f"  SELF-TEST: fault {args.inject_fault!r} injected into the SP run; the check must FAIL")
@@ -619,6 +658,9 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
             output=str(tmp / "sp_result.pt"),
             pid_dir=str(tmp),
             fault=args.inject_fault,
+            backend=args.backend,
+            ulysses_degree=args.ulysses_degree,
+            ring_variant=args.ring_variant,
         )
         spec.save(tmp / "spec.json")
         log_path = tmp / "torchrun.log"
