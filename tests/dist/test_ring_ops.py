@@ -1,6 +1,6 @@
 """Ring and hybrid attention operators vs a float64 single-process reference (gloo, CPU, P = 2 and 4).
 
-One spawn per world size runs every case of `_ring_ops.CASES` (layouts, both variants, GQA/MQA,
+The shared spawn per world size (`_ring_spawn.py`) runs every case of `_ring_ops.CASES` (layouts, both variants, GQA/MQA,
 packed documents, sliding windows, chunked layers, odd head sizes, hybrid 2 x 2); every rank checks
 its own shard of the output and of dq/dk/dv. float64 must match to 1e-10; float32 and bfloat16 are
 held to the error of the same attention computed in one call at that precision (RING.md-style rule:
@@ -12,22 +12,12 @@ from __future__ import annotations
 import pytest
 
 from hf_longctx.attention.cost import hybrid_bytes, ulysses_bytes
-from tests._dist import run_distributed
 from tests.dist import _ring_ops as R
-
-_runs: dict[int, object] = {}
+from tests.dist import _ring_spawn
 
 
 def _results(world: int) -> list[dict]:
-    if world not in _runs:
-        names = tuple(c.name for c in R.CASES if world in c.worlds)
-        try:
-            _runs[world] = run_distributed(R.ops_worker, world, names, timeout=240)
-        except Exception as exc:  # noqa: BLE001 - re-raised by every dependent test
-            _runs[world] = exc
-    if isinstance(_runs[world], Exception):
-        raise _runs[world]
-    return _runs[world]
+    return [r["ops"] for r in _ring_spawn.results(world)]
 
 
 PARAMS = [(w, c.name) for c in R.CASES for w in c.worlds]

@@ -4,30 +4,18 @@ Loss relative difference <= 1e-6 and every parameter's gradient within 1e-5 of i
 Llama / Qwen3 / Mistral shapes (MHA, GQA, MQA, an irregular 12 x 3 split, 9 x 3 and 6 x 2 heads) with
 packed rows, padding, an odd length and shards without labels; both ring variants, zigzag and
 contiguous layouts, hybrid 2 x 2, and auto (which must pick what `AUTO_EXPECTED` says). One spawn
-per world size; references computed once here (`_parity.reference_loss_and_grads`).
+per world size (shared with test_ring_ops.py, `_ring_spawn.py`); references computed once here (`_parity.reference_loss_and_grads`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_distributed
 from tests.dist import _parity as P
 from tests.dist import _ring_parity as RP
+from tests.dist import _ring_spawn
 
-_runs: dict[object, object] = {}
 _refs: dict[tuple, tuple] = {}
-
-
-def _spawn(key, fn, world, *args):
-    if key not in _runs:
-        try:
-            _runs[key] = run_distributed(fn, world, *args, timeout=300)
-        except Exception as exc:  # noqa: BLE001 - re-raised by every dependent test
-            _runs[key] = exc
-    if isinstance(_runs[key], Exception):
-        raise _runs[key]
-    return _runs[key]
 
 
 def _reference(spec_id: str, attn: str, case_name: str):
@@ -43,7 +31,7 @@ PARAMS = [(w, c) for w, combos in RP.COMBOS.items() for c in combos]
 
 @pytest.mark.parametrize(("world", "combo"), PARAMS, ids=[f"sp{w}-{RP.combo_id(c)}" for w, c in PARAMS])
 def test_ring_backends_match_unsharded_loss_and_grads(world, combo):
-    per_rank = [r[combo] for r in _spawn(("parity", world), RP.parity_worker, world, RP.COMBOS[world])]
+    per_rank = [r["parity"][combo] for r in _ring_spawn.results(world)]
     result = per_rank[0]
     opts, spec_id, attn, case_name = combo
     assert all(r["loss"] == result["loss"] for r in per_rank)
@@ -67,7 +55,7 @@ def test_ring_backends_match_unsharded_loss_and_grads(world, combo):
 
 
 def _features() -> list[dict]:
-    per_rank = _spawn("features", RP.features_worker, 2)
+    per_rank = [r["features"] for r in _ring_spawn.results(2)]
     for rank, result in enumerate(per_rank):
         for name, value in result.items():
             assert "error" not in value, f"rank {rank} {name}:\n{value['error']}"
