@@ -52,7 +52,7 @@ def main() -> None:
         args.parallelism_config = hf_longctx.ParallelismConfig(
             sp_size=lc.sp_size,
             sp_backend=lc.sp_backend,
-            **({} if lc.sp_backend == "deepspeed" else _ring_options(lc)),
+            **(_ring_options(lc) if lc.sp_backend in ("ring", "hybrid", "auto") else {}),
         )
     if lc.model_name_or_path is None:
         tokenizer = gpt2_tokenizer()

@@ -41,9 +41,7 @@ MISTRAL_GQA, MISTRAL_MQA, MISTRAL_MHA = "mistral-gqa8x2-h256", "mistral-mqa4x1-h
 
 COMBOS = {
     2: (
-        (RING_P2P, LLAMA_GQA, "sdpa", "seq37"),
         (RING_P2P, LLAMA_GQA, "sdpa", "packed3"),
-        (RING_P2P, QWEN_MQA, "sdpa", "packed3"),
         (RING_P2P, MISTRAL_GQA, "sdpa", "padded_bs2"),
         (RING_P2P, NINE.id, "sdpa", "packed3"),
         (RING_P2P, "llama4-chunked4x2-h64", "sdpa", "packed3"),
@@ -62,11 +60,9 @@ COMBOS = {
         (RING_P2P, LLAMA_GQA, "sdpa", "packed3"),
         (RING_P2P, QWEN_MQA, "sdpa", "one_label"),
         (RING_AG, MISTRAL_GQA, "sdpa", "packed3"),
-        (RING_P2P_C, LLAMA_MHA, "sdpa", "packed3"),
         (RING_AG_C, QWEN_GQA, "sdpa", "seq37"),
         (HYBRID, LLAMA_GQA, "sdpa", "packed3"),
         (HYBRID, QWEN_MQA, "sdpa", "one_label"),
-        (HYBRID, MISTRAL_MHA, "sdpa", "seq37"),
         (HYBRID, "llama-gqa_irregular12x3-h192", "sdpa", "packed3"),
         (HYBRID_AG, SIX.id, "sdpa", "padded_bs2"),
         (AUTO, NINE.id, "sdpa", "packed3"),

@@ -90,9 +90,19 @@ def _train(rank: int, world_size: int, out: str, stages: list[int | None], sp_op
     return results
 
 
+_REFERENCE: list = []  # the single-process run, shared with test_ring_trainer.py
+
+
+def single_process_reference(tmp_dir: str) -> list:
+    """Per-step (loss, grad_norm) of the run without SP and without DeepSpeed (computed once per session)."""
+    if not _REFERENCE:
+        _REFERENCE.append(run_distributed(_train, 1, tmp_dir, [None], timeout=300)[0][None])
+    return _REFERENCE[0]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run_distributed(_train, 1, str(tmp_path_factory.mktemp("ref")), [None], timeout=300)[0][None]
+    return single_process_reference(str(tmp_path_factory.mktemp("ref")))
 
 
 @pytest.mark.slow

@@ -117,22 +117,11 @@ def test_sft_packed_rows_match(run, out_root):
         U.compare_logs(result["sft_pack"]["logs"], ref["logs"], S.KEYS, RTOL)
 
 
-_zero3: dict[object, object] = {}
-
-
-def _zero3_run(world: int, options: dict | None, tmp: str) -> list:
-    key = (world, tuple(sorted((options or {}).items())))
-    if key not in _zero3:
-        stage = None if world == 1 else 3
-        _zero3[key] = run_distributed(D._train, world, tmp, [stage], options, timeout=600)[0][stage]
-    return _zero3[key]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "options"), [(2, RING), (4, HYBRID)], ids=["ring_sp2", "hybrid_sp4"])
 def test_zero3_matches_single_process(world, options, tmp_path_factory):
-    ref = _zero3_run(1, None, str(tmp_path_factory.mktemp("zero3_ref")))
-    sp = _zero3_run(world, options, str(tmp_path_factory.mktemp("zero3")))
+    ref = D.single_process_reference(str(tmp_path_factory.mktemp("zero3_ref")))
+    sp = run_distributed(D._train, world, str(tmp_path_factory.mktemp("zero3")), [3], options, timeout=600)[0][3]
     assert len(sp) == len(ref) == D.STEPS
     for (loss, norm), (ref_loss, ref_norm) in zip(sp, ref, strict=True):
         assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
