@@ -4,7 +4,8 @@
 
 `spec["impl"]` picks the SP implementation, everything else is shared:
 
-- "hf_longctx": `parallelism_config=hf_longctx.ParallelismConfig(sp_size=P)` (Ulysses);
+- "hf_longctx": `parallelism_config=hf_longctx.ParallelismConfig(sp_size=P, **spec.get("sp_options", {}))`
+                (Ulysses by default; `benchmarks.backends` passes ring / hybrid options);
 - "upstream":   `accelerate.parallelism_config.ParallelismConfig(sp_size=P, sp_backend="deepspeed")` with
                 `sp_handler.sp_attn_implementation` set to the model's kernel (DeepSpeed ALST Ulysses);
 - "none":       no SP (the SP=1 baseline, normally one process).
@@ -230,6 +231,11 @@ def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda
             a2a = hf_stats.ops.get("all_to_all")
             return (a2a.calls, a2a.bytes_sent, a2a.seconds) if a2a else (0, 0.0, 0.0)
 
+        def _hf_ops(self) -> dict[str, list[float]]:
+            # every op hf_longctx counts (ring_p2p, ring_all_gather, ... besides all_to_all)
+            ops = hf_stats.ops.items() if hf_stats is not None else ()
+            return {op: [st.calls, st.bytes_sent, st.seconds] for op, st in ops}
+
         def on_train_begin(self, args, state, control, **kwargs):
             mark("train_begin")
             self._last_end = time.perf_counter()
@@ -243,7 +249,7 @@ def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda
             rss_before = memory.begin()
             if cuda:
                 counter.flush()
-            self._before = {"comm": counter.snapshot(), "hf": self._hf(), "mem": rss_before}
+            self._before = {"comm": counter.snapshot(), "hf": self._hf(), "hf_ops": self._hf_ops(), "mem": rss_before}
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -275,6 +281,7 @@ def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda
                     "hf_a2a_bytes": hf_after[1] - hf_before[1],
                     "hf_a2a_s": hf_after[2] - hf_before[2],
                     "other_comm": comm,
+                    "hf_ops": _diff(self._hf_ops(), self._before["hf_ops"]),
                 }
             )
             self._last_end = t1
@@ -357,7 +364,7 @@ def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
     if impl == "hf_longctx":
         import hf_longctx
 
-        parallelism_config = hf_longctx.ParallelismConfig(sp_size=sp)
+        parallelism_config = hf_longctx.ParallelismConfig(sp_size=sp, **spec.get("sp_options", {}))
     elif impl == "upstream":
         from accelerate.parallelism_config import ParallelismConfig
 

@@ -1,8 +1,8 @@
 """`ParallelismConfig`: accelerate's parallelism config with hf_longctx's SP backends.
 
 Users set it as `parallelism_config=` in `TrainingArguments` / `SFTConfig`. It accepts the
-backends implemented here ("ulysses") and keeps accelerate's own ("deepspeed") untouched. Every
-check raises a `ValueError` that names the field to change.
+backends implemented here ("ulysses", "ring", "hybrid", "auto") and keeps accelerate's own
+("deepspeed") untouched. Every check raises a `ValueError` that names the field to change.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from accelerate.parallelism_config import ParallelismConfig as _AccelerateParallelismConfig
 
-from .attention.registry import BACKENDS as OUR_BACKENDS
+from .attention.backends import BACKENDS as OUR_BACKENDS
+from .attention.ring import VARIANTS as RING_VARIANTS
+from .data.layout import LAYOUTS as RING_LAYOUTS
 from .groups import validate_sp_size
 
 UPSTREAM_BACKENDS = ("deepspeed",)
@@ -20,15 +22,28 @@ UPSTREAM_BACKENDS = ("deepspeed",)
 
 @dataclass(kw_only=True)
 class ParallelismConfig(_AccelerateParallelismConfig):
-    """accelerate's `ParallelismConfig` plus `sp_backend="ulysses"` (the default here).
+    """accelerate's `ParallelismConfig` plus hf_longctx's backends (`sp_backend="ulysses"` by default).
 
-    `sp_backend="deepspeed"` keeps accelerate's upstream DeepSpeed ALST path unchanged.
+    "ring" (ring attention), "hybrid" (Ulysses x ring, `ulysses_degree`) and "auto" (chosen per model)
+    take `ring_variant` and `ring_layout`; `sp_backend="deepspeed"` keeps accelerate's upstream
+    DeepSpeed ALST path unchanged.
     """
 
     sp_size: int = field(default=1, metadata={"help": "Ranks that split one sequence (sequence-parallel degree)."})
     sp_backend: str = field(
         default="ulysses",
         metadata={"help": f"Sequence-parallel backend: one of {list(OUR_BACKENDS + UPSTREAM_BACKENDS)}."},
+    )
+    ulysses_degree: int | None = field(
+        default=None,
+        metadata={"help": "hybrid/auto: Ulysses degree (divides sp_size and the heads); the ring takes the rest."},
+    )
+    ring_variant: str | None = field(
+        default=None,
+        metadata={"help": f"ring/hybrid: one of {list(RING_VARIANTS)} (default p2p; auto chooses)."},
+    )
+    ring_layout: str = field(
+        default="zigzag", metadata={"help": f"ring/hybrid token layout: one of {list(RING_LAYOUTS)}."}
     )
 
     def __post_init__(self) -> None:
@@ -38,6 +53,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
                 f"Unknown sp_backend {self.sp_backend!r}; set sp_backend to one of "
                 f"{list(OUR_BACKENDS + UPSTREAM_BACKENDS)}."
             )
+        self._check_ring_options()
         if self.sp_backend in UPSTREAM_BACKENDS:
             super().__post_init__()
             return
@@ -51,7 +67,34 @@ class ParallelismConfig(_AccelerateParallelismConfig):
             self.sp_backend = backend
         self.sp_handler = None
         if (self.tp_size or 1) > 1 and self.sp_size > 1:
-            raise ValueError("tp_size > 1 cannot be combined with sp_backend='ulysses' yet; set tp_size=1.")
+            raise ValueError(f"tp_size > 1 cannot be combined with sp_backend={self.sp_backend!r} yet; set tp_size=1.")
+
+    def _check_ring_options(self) -> None:
+        if self.ring_variant is not None and self.ring_variant not in RING_VARIANTS:
+            raise ValueError(f"ring_variant={self.ring_variant!r}: choose one of {list(RING_VARIANTS)}.")
+        if self.ring_layout not in RING_LAYOUTS:
+            raise ValueError(f"ring_layout={self.ring_layout!r}: choose one of {list(RING_LAYOUTS)}.")
+        if self.ulysses_degree is None:
+            return
+        if self.sp_backend not in ("hybrid", "auto"):
+            raise ValueError(
+                f"ulysses_degree applies to sp_backend='hybrid' or 'auto', not {self.sp_backend!r}; "
+                "set sp_backend='hybrid' or drop ulysses_degree."
+            )
+        valid = [d for d in range(1, self.sp_size + 1) if self.sp_size % d == 0]
+        if self.ulysses_degree not in valid:
+            raise ValueError(
+                f"ulysses_degree={self.ulysses_degree!r} must divide sp_size={self.sp_size}: one of {valid}."
+            )
+
+    def attention_options(self) -> dict:
+        """Keyword arguments of `enable_sequence_parallel` for this config (our backends only)."""
+        return {
+            "backend": self.sp_backend,
+            "ulysses_degree": self.ulysses_degree,
+            "ring_variant": self.ring_variant,
+            "ring_layout": self.ring_layout,
+        }
 
     def build_device_mesh(self, device_type: str):
         """accelerate's mesh without an SP axis: our SP groups are built by `SequenceParallelGroups`."""

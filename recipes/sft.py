@@ -23,15 +23,23 @@ import hf_longctx
 from hf_longctx.callbacks import ThroughputCallback
 from hf_longctx.defaults import gpt2_tokenizer, tiny_llama, window_dataset
 from hf_longctx.report import compare_runs, plot_loss_curves
+from hf_longctx.trainer import sp_state
 
 
 @dataclass
 class LongContextArguments:
     sp_size: int = field(default=1, metadata={"help": "Sequence-parallel degree (1 = no SP)."})
-    sp_backend: str = field(default="ulysses", metadata={"help": "hf_longctx backend, or 'deepspeed' (upstream)."})
+    sp_backend: str = field(
+        default="ulysses", metadata={"help": "ulysses, ring, hybrid, auto, or 'deepspeed' (upstream)."}
+    )
+    ulysses_degree: int | None = field(default=None, metadata={"help": "hybrid/auto: Ulysses degree."})
+    ring_variant: str | None = field(default=None, metadata={"help": "ring/hybrid: p2p or allgather."})
+    ring_layout: str = field(default="zigzag", metadata={"help": "ring/hybrid: zigzag or contiguous."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Model to fine-tune; unset = tiny Llama."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "The model's own attention kernel."})
     tiny_layers: int = field(default=4, metadata={"help": "Layers of the default tiny Llama."})
+    tiny_heads: int = field(default=8, metadata={"help": "Query heads of the tiny Llama (hidden = 16 x heads)."})
+    tiny_kv_heads: int = field(default=4, metadata={"help": "Key/value heads of the tiny Llama."})
     dataset_name: str | None = field(
         default=None, metadata={"help": "HF dataset (text or messages); unset = Shakespeare."}
     )
@@ -58,10 +66,21 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     lc, args = TrlParser((LongContextArguments, SFTConfig)).parse_args_and_config()
     if lc.sp_size > 1:
-        args.parallelism_config = hf_longctx.ParallelismConfig(sp_size=lc.sp_size, sp_backend=lc.sp_backend)
+        args.parallelism_config = hf_longctx.ParallelismConfig(
+            sp_size=lc.sp_size,
+            sp_backend=lc.sp_backend,
+            **(_ring_options(lc) if lc.sp_backend in ("ring", "hybrid", "auto") else {}),
+        )
     if lc.model_name_or_path is None:
         tokenizer = gpt2_tokenizer()
-        model = tiny_llama(tokenizer, num_hidden_layers=lc.tiny_layers, attn_implementation=lc.attn_implementation)
+        model = tiny_llama(
+            tokenizer,
+            num_hidden_layers=lc.tiny_layers,
+            num_attention_heads=lc.tiny_heads,
+            num_key_value_heads=lc.tiny_kv_heads,
+            hidden_size=16 * lc.tiny_heads,  # heads of 16 dims (the default: 8 heads, hidden 128)
+            attn_implementation=lc.attn_implementation,
+        )
         train = window_dataset(tokenizer, args.max_length, max_windows=lc.max_windows)
         evals = (
             window_dataset(tokenizer, args.max_length, split="eval", max_windows=lc.eval_windows)
@@ -87,6 +106,9 @@ def main() -> None:
         callbacks=[ThroughputCallback()],
     )
     trainer.train()
+    state = sp_state(trainer)
+    if state is not None and state.handles and trainer.is_world_process_zero():
+        print(f"sequence parallelism: {state.handles[0].backend}")
     if evals is not None:
         trainer.evaluate()
     trainer.save_model()
@@ -105,6 +127,10 @@ def main() -> None:
             os.path.join(args.output_dir, "loss_curves.png"),
         )
         print(f"loss curve vs {lc.compare_to}: max relative difference {worst:.2e} over {steps} steps (plot: {png})")
+
+
+def _ring_options(lc: LongContextArguments) -> dict:
+    return {"ulysses_degree": lc.ulysses_degree, "ring_variant": lc.ring_variant, "ring_layout": lc.ring_layout}
 
 
 if __name__ == "__main__":

@@ -1,1 +1,6 @@
-"""Sequence-parallel attention: Ulysses (`ulysses.py`), kernel inputs (`kernels.py`), registration (`registry.py`)."""
+"""Sequence-parallel attention.
+
+Ulysses (`ulysses.py`), ring attention (`ring.py`, planned by `ring_plan.py` on the LSE kernels of
+`lse_kernels.py`), Ulysses x ring (`hybrid.py`), the backend choice (`backends.py`, `auto.py`,
+`cost.py`), kernel inputs (`kernels.py`) and registration (`registry.py`).
+"""

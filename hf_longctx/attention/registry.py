@@ -1,9 +1,10 @@
 """The only module that touches transformers' attention registries.
 
-`enable_sequence_parallel(model, groups)` is the main entry: it registers a Ulysses wrapper of
-the model's own kernel under a fresh key (other models in the process keep theirs), points the
-model's text config at that key, and adds one forward pre-hook that all-gathers the global
-`position_ids` once per forward. Everything is undone by `handle.remove()`.
+`enable_sequence_parallel(model, groups, backend)` is the main entry: it registers the backend's
+attention (a Ulysses wrapper of the model's own kernel, or ring / hybrid attention) under a fresh key
+(other models in the process keep theirs), points the model's text config at that key, claims the
+token layout on `groups` (what `shard_batch` produces), and adds one forward pre-hook that
+all-gathers the global `position_ids` once per forward. Everything is undone by `handle.remove()`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ import torch
 from .. import _compat
 from ..comm import all_gather_sequence
 from ..data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
+from ..data.layout import LAYOUT_KEY, to_global_order
 from ..groups import SequenceParallelGroups
+from ..ring_comm import ring_of
+from .auto import detect_link
+from .backends import SPBackend, resolve_backend
+from .hybrid import check_ring_model, hybrid_attention
 from .kernels import SequenceContext, kernel_family
-from .ulysses import check_heads, ulysses_attention
+from .ulysses import ulysses_attention
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("ulysses",)
-KEY_PREFIX = "hf_longctx_ulysses"
+KEY_PREFIX = "hf_longctx"  # keys: hf_longctx_<backend>_<n>, e.g. hf_longctx_ulysses_0
 _HANDLE_ATTR = "_hf_longctx_sp_handle"
 CONTEXT_KWARG = "hf_longctx_sp_context"
 _keys = itertools.count()
@@ -35,8 +40,11 @@ _keys = itertools.count()
 class SequenceParallelHandle:
     """Undo record of `enable_sequence_parallel`; `.remove()` or leaving the `with` block restores all."""
 
-    def __init__(self, model: torch.nn.Module, groups: SequenceParallelGroups, key: str, kernel_name: str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, groups: SequenceParallelGroups, key: str, kernel_name: str, backend: SPBackend
+    ) -> None:
         self.model, self.groups, self.key, self.kernel_name = model, groups, key, kernel_name
+        self.backend = backend  # what runs: Ulysses, ring or hybrid, its degrees and token layout
         self.context: SequenceContext | None = None
         self.attention_calls = 0  # Ulysses calls in the current forward (see `_check_layers`)
         self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
@@ -64,9 +72,15 @@ class SequenceParallelHandle:
 
     def _capture_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
         # Forward pre-hook: one shape check and one all-gather per forward, shared by every layer.
-        signature = kwargs.get(SIGNATURE_KEY)
+        signature, layout = kwargs.get(SIGNATURE_KEY), kwargs.get(LAYOUT_KEY)
         for key in PRIVATE_KEYS:
             kwargs.pop(key, None)
+        if layout is not None and layout != self.backend.layout:
+            raise ValueError(
+                f"The batch was sharded in the {layout!r} token layout but {self.backend.name} attention expects "
+                f"{self.backend.layout!r}: shard with hf_longctx.shard_batch(batch, groups) after enabling SP on the "
+                "model, with the same groups."
+            )
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(
@@ -75,7 +89,8 @@ class SequenceParallelHandle:
             )
         check_shard_consistency(position_ids, signature, self.groups)
         self.attention_calls = 0
-        self.context = SequenceContext(all_gather_sequence(position_ids.long(), self.groups.sp_group))
+        gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
+        self.context = SequenceContext(to_global_order(gathered, self.backend.layout, self.groups.sp_world_size))
         # Also ride along the forward's kwargs: activation checkpointing replays those, so a layer
         # recomputed in backward sees its own forward's context even if another forward ran since.
         if self._forward_takes_kwargs:
@@ -130,55 +145,111 @@ def _attention_config(model: torch.nn.Module) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def check_model(model: torch.nn.Module, sp_size: int, backend: str = "ulysses") -> None:
+def check_model(
+    model: torch.nn.Module,
+    sp_size: int,
+    backend: str = "ulysses",
+    *,
+    ulysses_degree: int | None = None,
+    ring_variant: str | None = None,
+    ring_layout: str = "zigzag",
+    ranks_per_node: int | None = None,
+) -> SPBackend:
     """Every check `enable_sequence_parallel` makes on a model, without changing it.
 
     Called as soon as a Trainer sees the model, so a model SP cannot run fails before weights
-    are moved, wrapped or trained.
+    are moved, wrapped or trained. Arguments as in `enable_sequence_parallel`.
+
+    Returns:
+        What would run: the resolved backend (auto decided), its degrees and token layout.
 
     Raises:
-        ValueError: unknown backend, an unsupported attention implementation, head counts
-            incompatible with `sp_size`, or token mixing outside attention.
+        ValueError: unknown backend or options, an unsupported attention implementation, head
+            counts incompatible with the backend and `sp_size`, ring attention with soft-capping or
+            sinks, or token mixing outside attention.
     """
     _compat.check_versions()
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown sequence-parallel backend {backend!r}; available: {list(BACKENDS)}.")
     config = _attention_config(model)
     kernel_family(config._attn_implementation or "eager")
-    check_heads(config.num_attention_heads, sp_size)
+    num_heads = config.num_attention_heads
+    parameter = next(model.parameters(), None)
+    sp = resolve_backend(
+        backend,
+        num_heads,
+        getattr(config, "num_key_value_heads", None) or num_heads,
+        sp_size,
+        ulysses_degree=ulysses_degree,
+        ring_variant=ring_variant,
+        ring_layout=ring_layout,
+        ranks_per_node=ranks_per_node,
+        link=detect_link(parameter.device if parameter is not None else torch.device("cpu")),
+    )
+    if sp.name != "ulysses":
+        check_ring_model(config, model)
     check_token_mixers(model)
+    return sp
 
 
 def enable_sequence_parallel(
-    model: torch.nn.Module, groups: SequenceParallelGroups, backend: str = "ulysses"
+    model: torch.nn.Module,
+    groups: SequenceParallelGroups,
+    backend: str = "ulysses",
+    *,
+    ulysses_degree: int | None = None,
+    ring_variant: str | None = None,
+    ring_layout: str = "zigzag",
 ) -> SequenceParallelHandle:
     """Make `model`'s attention sequence-parallel over `groups.sp_group`.
 
     Call it on the unwrapped model, before DDP/FSDP/DeepSpeed wrapping or after (the hook and the
-    config are on the model object itself). Batches must then come from `hf_longctx.shard_batch`.
+    config are on the model object itself). Batches must then come from `hf_longctx.shard_batch`
+    (or the Trainer integration), which follows the token layout this call sets on `groups`.
 
     Args:
         model: a transformers model whose attention uses `ALL_ATTENTION_FUNCTIONS`.
         groups: the process groups from `SequenceParallelGroups.build`.
-        backend: "ulysses" (the only one available in this version).
+        backend: "ulysses" (all-to-all, the model's own kernel), "ring" (ring attention over the SP
+            group), "hybrid" (Ulysses inside groups of `ulysses_degree` consecutive ranks x ring
+            across them) or "auto" (chosen from the heads, SP size and ranks per node; logged).
+        ulysses_degree: hybrid/auto: the Ulysses degree (default: chosen, see `attention/auto.py`).
+        ring_variant: "p2p" (pass-KV, the default) or "allgather" (auto: chosen).
+        ring_layout: "zigzag" (default: balanced causal work) or "contiguous", for ring and hybrid.
 
     Returns:
         A handle; `handle.remove()` (or leaving it as a context manager) restores the model exactly.
+        `handle.backend` says what runs.
 
     Raises:
-        ValueError: unknown backend, SP already enabled on this model, an unsupported attention
-            implementation, head counts incompatible with the SP size, or token mixing outside
-            attention (convolutions, state-space or linear-attention layers).
+        ValueError: unknown backend or options, SP already enabled on this model, an unsupported
+            attention implementation, head counts incompatible with the backend and SP size, ring
+            attention with soft-capping or sinks, another model on `groups` with a different token
+            layout, or token mixing outside attention (convolutions, state-space or linear-attention
+            layers).
     """
     if getattr(model, _HANDLE_ATTR, None) is not None:
         raise ValueError("Sequence parallelism is already enabled on this model; call handle.remove() first.")
-    check_model(model, groups.sp_world_size, backend)
+    sp = check_model(
+        model,
+        groups.sp_world_size,
+        backend,
+        ulysses_degree=ulysses_degree,
+        ring_variant=ring_variant,
+        ring_layout=ring_layout,
+        ranks_per_node=groups.ranks_per_node,
+    )
     config = _attention_config(model)
     kernel_name = config._attn_implementation or "eager"
     family = kernel_family(kernel_name)
+    groups.layout_slot.claim(sp.layout)  # raises before anything else is changed
+    try:
+        ring_attention_kwargs = _ring_kwargs(sp, groups)
+    except Exception:
+        groups.layout_slot.release()
+        raise
 
-    key = f"{KEY_PREFIX}_{next(_keys)}"
-    handle = SequenceParallelHandle(model, groups, key, kernel_name)
+    key = f"{KEY_PREFIX}_{sp.name}_{next(_keys)}"
+    handle = SequenceParallelHandle(model, groups, key, kernel_name, sp)
+    handle._undo.append(groups.layout_slot.release)
     kernels: dict[type, Callable[..., Any]] = {}
 
     def attention(module: torch.nn.Module, query, key_, value, attention_mask, **kwargs):
@@ -186,6 +257,8 @@ def enable_sequence_parallel(
         if context is None:
             raise ValueError("No sequence context: the model must be called through its top-level forward.")
         handle.attention_calls += 1
+        if ring_attention_kwargs is not None:
+            return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
         kernel = kernels.get(type(module))
         if kernel is None:
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
@@ -222,9 +295,28 @@ def enable_sequence_parallel(
         handle.remove()
         raise
     logger.info(
-        "hf_longctx: %s attention over %d ranks (kernel %s, key %s)", backend, groups.sp_world_size, kernel_name, key
+        "hf_longctx: %s attention over %d ranks (kernel %s, key %s)%s",
+        sp.name,
+        groups.sp_world_size,
+        kernel_name if sp.name == "ulysses" else "ring LSE kernels",
+        key,
+        f"; {backend}: {sp.reason}" if sp.reason else "",
     )
     return handle
+
+
+def _ring_kwargs(sp: SPBackend, groups: SequenceParallelGroups) -> dict[str, Any] | None:
+    """The process groups and options `hybrid_attention` takes (None for Ulysses)."""
+    if sp.name == "ulysses":
+        return None
+    hybrid = groups.hybrid(sp.ulysses_degree)
+    return {
+        "layout": sp.layout,
+        "sp_world_size": groups.sp_world_size,
+        "ulysses": groups.ulysses_view(hybrid),
+        "ring": ring_of(hybrid.ring_group, hybrid.ring_ranks),
+        "variant": sp.ring_variant,
+    }
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -29,7 +29,8 @@ def check_heads(num_heads: int, sp_size: int) -> None:
     if num_heads % sp_size != 0:
         raise ValueError(
             f"Ulysses needs num_attention_heads ({num_heads}) divisible by sp_size ({sp_size}); "
-            f"valid sp_size values for this model: {valid_sp_sizes(num_heads)}."
+            f"valid sp_size values for this model: {valid_sp_sizes(num_heads)} (sp_backend='ring', 'hybrid' or "
+            "'auto' work at any sp_size)."
         )
 
 

@@ -53,6 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--packed", action="store_true", help="pack 3 documents per row (restarting positions)")
     parser.add_argument(
+        "--backend",
+        choices=("ulysses", "ring", "hybrid", "auto"),
+        default="ulysses",
+        help="SP backend under test (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ulysses-degree", type=int, default=None, help="hybrid/auto: Ulysses degree (default: chosen)"
+    )
+    parser.add_argument(
+        "--ring-variant",
+        choices=("p2p", "allgather"),
+        default=None,
+        help="ring/hybrid variant (default: p2p; auto chooses)",
+    )
+    parser.add_argument(
         "--tolerance-loss", type=float, default=1e-5, help="max relative loss difference (default: %(default)s)"
     )
     parser.add_argument(
@@ -103,8 +118,10 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         input (bad options, no config, unsupported model, heads not divisible by `--sp`), in
         which case nothing is launched.
     """
+    from ..attention.backends import resolve_backend
+    from ..attention.hybrid import check_ring_model
     from ..attention.registry import enable_sequence_parallel
-    from ..attention.ulysses import check_heads, head_layout
+    from ..data.layout import pad_multiple
     from ..groups import SequenceParallelGroups
 
     out = emit or (lambda line: print(line, flush=True))
@@ -116,9 +133,18 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
             _validate(args)
             original = load_config(args.model)
             heads, kv_heads = head_counts(original)
-            check_heads(heads, sp)
-            head_layout(heads, kv_heads, sp)
-            padded = args.seq_len + (-args.seq_len % sp)
+            # What the workers will run (auto resolved as on one host of sp ranks): raises for bad heads/options.
+            backend = resolve_backend(
+                args.backend,
+                heads,
+                kv_heads,
+                sp,
+                ulysses_degree=args.ulysses_degree,
+                ring_variant=args.ring_variant,
+                ranks_per_node=sp,
+                link="host",
+            )
+            padded = args.seq_len + (-args.seq_len % pad_multiple(backend.layout, sp))
             config, notes = shrink_config(
                 original, layers=args.layers, hidden=args.hidden, min_positions=padded, attn=args.attn
             )
@@ -126,6 +152,8 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
             model = build_model(tmp / "model", args.attn, SEED)
             # Validates the kernel and the model type the way the workers will, before launching.
             enable_sequence_parallel(model, SequenceParallelGroups.single()).remove()
+            if backend.name != "ulysses":
+                check_ring_model(model.config.get_text_config(), model)
         except ValueError as exc:
             out(f"INVALID: {exc}")
             return EXIT_INVALID
@@ -144,7 +172,12 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         out(
             f"  batch: {args.batch_size} x {args.seq_len} tokens (padded to {padded}, {padded // sp} per rank), "
             f"packed: {'3 docs/row' if args.packed else 'no'}, valid labels per SP rank: "
-            f"{valid_labels_per_rank(batch, sp)}"
+            f"{valid_labels_per_rank(batch, sp, backend.layout)}"
+        )
+        out(
+            f"  backend: {backend.name} (Ulysses degree {backend.ulysses_degree} x ring {backend.ring_size}, "
+            f"{backend.layout} layout{', ' + backend.ring_variant if backend.ring_size > 1 else ''})"
+            + (f"; {args.backend}: {backend.reason}" if args.backend == "auto" else "")
         )
         if sp > 1:
             out("  (row 0's first half has no labels on purpose: a shard without any label must still be exact)")
@@ -161,6 +194,9 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
             output=str(tmp / "sp_result.pt"),
             pid_dir=str(tmp),
             fault=args.inject_fault,
+            backend=args.backend,
+            ulysses_degree=args.ulysses_degree,
+            ring_variant=args.ring_variant,
         )
         spec.save(tmp / "spec.json")
         log_path = tmp / "torchrun.log"

@@ -262,8 +262,9 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     return StepResult(loss.item(), take_grads(model), weights_sha256(model))
 
 
-def valid_labels_per_rank(batch: Mapping[str, torch.Tensor], sp: int) -> list[int]:
+def valid_labels_per_rank(batch: Mapping[str, torch.Tensor], sp: int, layout: str = "contiguous") -> list[int]:
     """Number of valid shift labels in each SP rank's shard (pure; what the workers will see)."""
     from ..data.sharding import IGNORE_INDEX, shard_batch_for_rank
 
-    return [int((shard_batch_for_rank(batch, r, sp)["shift_labels"] != IGNORE_INDEX).sum()) for r in range(sp)]
+    shards = [shard_batch_for_rank(batch, r, sp, layout=layout) for r in range(sp)]
+    return [int((shard["shift_labels"] != IGNORE_INDEX).sum()) for shard in shards]

@@ -39,6 +39,7 @@ class WorkerSpec:
         output: file rank 0 writes the results to (`torch.save`).
         pid_dir: folder where every rank writes its process id (to clean up after a timeout).
         fault: one of `FAULTS` to break the run on purpose, or None.
+        backend, ulysses_degree, ring_variant: the SP backend under test (`enable_sequence_parallel`).
     """
 
     config_dir: str
@@ -50,6 +51,9 @@ class WorkerSpec:
     output: str
     pid_dir: str
     fault: str | None = None
+    backend: str = "ulysses"
+    ulysses_degree: int | None = None
+    ring_variant: str | None = None
 
     def save(self, path: Path) -> None:
         """Write the spec as JSON to `path`."""
@@ -87,7 +91,8 @@ def worker_main(spec_path: str) -> None:
         batch = make_batch(
             model.config.get_text_config().vocab_size, spec.seq_len, spec.batch_size, spec.packed, spec.seed
         )
-        with enable_sequence_parallel(model, groups):
+        options = {"backend": spec.backend, "ulysses_degree": spec.ulysses_degree, "ring_variant": spec.ring_variant}
+        with enable_sequence_parallel(model, groups, **options):
             shard = shard_batch(batch, groups)
             if spec.fault == "skip-positions":
                 bs, local = shard["input_ids"].shape

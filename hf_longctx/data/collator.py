@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY, batch_signature
+from .layout import LAYOUT_KEY, LayoutSlot
 from .sharding import shard_batch_for_rank
 
 
@@ -22,12 +23,22 @@ class SequenceShardingCollator:
     The shard carries `labels` = `shift_labels` (pre-shifted on the full sequence; HF losses and
     TRL use `shift_labels` as-is and Trainer counts them), an `attention_mask` that is 0 on the
     padding added for the SP size, the full batch's signature for the cross-rank check, and this
-    rank's slice of the unshifted labels (what evaluation returns as `label_ids`).
+    rank's slice of the unshifted labels (what evaluation returns as `label_ids`). The token layout
+    is read from `layout` (the groups' `layout_slot`) at every call: the Trainer builds its
+    dataloader before the model is prepared and the backend has claimed the layout.
     """
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any], sp_rank: int, sp_world_size: int, pad_token_id: int = 0):
+    def __init__(
+        self,
+        collate_fn: Callable[[list[Any]], Any],
+        sp_rank: int,
+        sp_world_size: int,
+        pad_token_id: int = 0,
+        layout: LayoutSlot | None = None,
+    ):
         self.collate_fn, self.sp_rank, self.sp_world_size = collate_fn, sp_rank, sp_world_size
         self.pad_token_id = pad_token_id
+        self.layout = layout if layout is not None else LayoutSlot()
 
     def __call__(self, features: list[Any]) -> dict[str, Any]:
         batch = self.collate_fn(features)
@@ -42,8 +53,13 @@ class SequenceShardingCollator:
             batch["attention_mask"] = torch.ones_like(batch["input_ids"], dtype=torch.long)
         if isinstance(batch.get("labels"), torch.Tensor):
             batch[ORIGINAL_LABELS_KEY] = batch["labels"]  # sliced like every sequence tensor
-        shard = shard_batch_for_rank(batch, self.sp_rank, self.sp_world_size, pad_token_id=self.pad_token_id)
+        kind = self.layout.kind
+        shard = shard_batch_for_rank(
+            batch, self.sp_rank, self.sp_world_size, pad_token_id=self.pad_token_id, layout=kind
+        )
         if "shift_labels" in shard:
             shard["labels"] = shard["shift_labels"]
         shard[SIGNATURE_KEY] = signature
+        if kind != "contiguous":
+            shard[LAYOUT_KEY] = kind
         return shard

@@ -15,6 +15,7 @@ import torch
 
 from ..comm import all_gather_stacked
 from ..groups import SequenceParallelGroups
+from .layout import LAYOUT_KEY
 from .sharding import shard_batch_for_rank
 
 _SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
@@ -23,8 +24,8 @@ SIGNATURE_KEY = "hf_longctx_batch_signature"
 # The Trainer collator also keeps this rank's slice of the unshifted labels here, so that evaluation returns
 # the labels a run without SP returns (`labels` itself holds the pre-shifted ones the loss needs).
 ORIGINAL_LABELS_KEY = "hf_longctx_labels"
-# Keys the model never sees: the SP forward pre-hook removes them.
-PRIVATE_KEYS = (SIGNATURE_KEY, ORIGINAL_LABELS_KEY)
+# Keys the model never sees: the SP forward pre-hook removes them (LAYOUT_KEY: a zigzag shard's layout name).
+PRIVATE_KEYS = (SIGNATURE_KEY, ORIGINAL_LABELS_KEY, LAYOUT_KEY)
 
 
 def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -102,11 +103,17 @@ def shard_batch(
 
     Returns:
         The local shard: `input_ids`, `position_ids` (global), `shift_labels` (when labels were
-        given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed.
+        given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed. The
+        token layout is the one the backend enabled on `groups` expects (`groups.layout`:
+        contiguous for Ulysses, zigzag for ring/hybrid, which also names it under `LAYOUT_KEY`).
 
     Raises:
         ValueError: the ranks disagree on the batch, left padding, or a malformed batch.
     """
     if check:
         check_batch_consistency(batch, groups)
-    return shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id)
+    layout = groups.layout
+    shard = shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id, layout=layout)
+    if layout != "contiguous":
+        shard[LAYOUT_KEY] = layout
+    return shard

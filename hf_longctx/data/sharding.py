@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .layout import layout_indices, pad_multiple
+
 IGNORE_INDEX = -100
 # Padding-free metadata describes the *global* sequence; the attention rebuilds it from the
 # all-gathered position ids, so the per-batch copies are dropped rather than sliced.
@@ -159,17 +161,24 @@ def prepare_global_batch(
     return out, seq_keys
 
 
-def shard_tensor(x: torch.Tensor, sp_rank: int, sp_world_size: int, dim: int = 1) -> torch.Tensor:
-    """Return rank `sp_rank`'s contiguous slice of `x` along `dim` (a copy, never a view)."""
+def shard_tensor(
+    x: torch.Tensor, sp_rank: int, sp_world_size: int, dim: int = 1, layout: str = "contiguous"
+) -> torch.Tensor:
+    """Return rank `sp_rank`'s part of `x` along `dim` in `layout` (a copy, never a view)."""
     size = x.shape[dim]
-    if size % sp_world_size != 0:
-        raise ValueError(f"Sequence length {size} is not divisible by sp_world_size={sp_world_size}.")
+    if size % pad_multiple(layout, sp_world_size) != 0:
+        raise ValueError(
+            f"Sequence length {size} is not divisible by {pad_multiple(layout, sp_world_size)} "
+            f"(sp_world_size={sp_world_size}, {layout} layout)."
+        )
+    if layout != "contiguous":
+        return x.index_select(dim, layout_indices(layout, sp_rank, sp_world_size, size).to(x.device))
     chunk = size // sp_world_size
     return x.narrow(dim, sp_rank * chunk, chunk).clone(memory_format=torch.contiguous_format)
 
 
 def shard_batch_for_rank(
-    batch: Mapping[str, Any], sp_rank: int, sp_world_size: int, *, pad_token_id: int = 0
+    batch: Mapping[str, Any], sp_rank: int, sp_world_size: int, *, pad_token_id: int = 0, layout: str = "contiguous"
 ) -> dict[str, Any]:
     """The shard of `batch` kept by `sp_rank` (pure: no collectives).
 
@@ -178,6 +187,8 @@ def shard_batch_for_rank(
         sp_rank: this rank's index in its SP group.
         sp_world_size: the SP group size.
         pad_token_id: value used to pad `input_ids`.
+        layout: "contiguous" (Ulysses) or "zigzag" (ring/hybrid: padded to 2 x sp_world_size, rank p
+            keeps chunks p and 2P-1-p of 2P), see `hf_longctx.data.layout`.
 
     Returns:
         A dict with every sequence tensor sliced to `[bs, sl / sp_world_size, ...]` (after padding),
@@ -189,7 +200,7 @@ def shard_batch_for_rank(
     """
     if not 0 <= sp_rank < sp_world_size:
         raise ValueError(f"sp_rank={sp_rank} is outside [0, {sp_world_size}).")
-    full, seq_keys = prepare_global_batch(batch, sp_world_size, pad_token_id=pad_token_id)
+    full, seq_keys = prepare_global_batch(batch, pad_multiple(layout, sp_world_size), pad_token_id=pad_token_id)
     for key in seq_keys:
-        full[key] = shard_tensor(full[key], sp_rank, sp_world_size)
+        full[key] = shard_tensor(full[key], sp_rank, sp_world_size, layout=layout)
     return full

@@ -49,14 +49,15 @@ class SequenceParallelState:
         model = _unwrap(model)
         if getattr(model, "config", None) is None or any(h.model is model for h in self.handles):
             return
-        self.handles.append(enable_sequence_parallel(model, self.groups, backend=self.config.sp_backend))
+        self.handles.append(enable_sequence_parallel(model, self.groups, **self.config.attention_options()))
 
     def check(self, model: Any) -> None:
         """Validate a model SP will run (heads, kernel, token mixers) once, without changing it."""
         model = _unwrap(model)
         if id(model) in self.checked or getattr(model, "config", None) is None:
             return
-        check_model(model, self.groups.sp_world_size, self.config.sp_backend)
+        options = {**self.config.attention_options(), "ranks_per_node": self.groups.ranks_per_node}
+        check_model(model, self.groups.sp_world_size, **options)
         self.checked.add(id(model))
 
     def close(self) -> None:

@@ -23,7 +23,10 @@ def _shard_collate(loader: Any, state: SequenceParallelState) -> None:
     current = loader.collate_fn
     inner = current.collate_fn if isinstance(current, SequenceShardingCollator) else current
     if not isinstance(current, SequenceShardingCollator):
-        loader.collate_fn = SequenceShardingCollator(inner, state.groups.sp_rank, state.groups.sp_world_size)
+        groups = state.groups
+        loader.collate_fn = SequenceShardingCollator(
+            inner, groups.sp_rank, groups.sp_world_size, layout=groups.layout_slot
+        )
     ref = weakref.ref(loader)  # Trainer builds new loaders per train()/evaluate(): do not keep old ones alive
 
     def restore() -> None:

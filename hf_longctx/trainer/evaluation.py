@@ -20,6 +20,7 @@ import torch
 
 from ..comm import all_gather_sequence, all_reduce_sum
 from ..data.consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY
+from ..data.layout import to_global_order
 from ..data.sharding import IGNORE_INDEX
 from ..groups import SequenceParallelGroups
 from .metrics import gather_replicated
@@ -65,7 +66,10 @@ def _gather_tokens(value: Any, shard_len: int, length: int | None, groups: Seque
         return type(value)(_gather_tokens(v, shard_len, length, groups) for v in value)
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != shard_len:
         return value
-    full = all_gather_sequence(value.contiguous(), groups.sp_group, dim=1)
+    # Shards arrive in rank order; a zigzag layout (ring, hybrid) puts them back in sequence order.
+    full = to_global_order(
+        all_gather_sequence(value.contiguous(), groups.sp_group, dim=1), groups.layout, groups.sp_world_size
+    )
     return full[:, :length] if length is not None else full
 
 

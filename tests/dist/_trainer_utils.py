@@ -151,8 +151,8 @@ def sft_dataset(kind: str, n: int, seed: int = 5):
 # ---- Trainer runs --------------------------------------------------------------------------------
 
 
-def _parallelism(sp: int):
-    return hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
+def _parallelism(sp: int, options: dict | None = None):
+    return hf_longctx.ParallelismConfig(sp_size=sp, **(options or {})) if sp > 1 else None
 
 
 def _logs(trainer: Any, keys: tuple[str, ...]) -> list[dict[str, float]]:
@@ -179,6 +179,7 @@ def run_trainer(
     predict: tuple[str, int] | None = None,
     fsdp2: bool = False,
     gradient_checkpointing: bool = False,
+    sp_options: dict | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
@@ -188,7 +189,8 @@ def run_trainer(
     `loss_func` passes a `compute_loss_func` (the SP run's takes the pre-shifted labels, marked);
     `predict` runs `trainer.predict` on that eval set with per-sample metric outputs. `fsdp2` goes through
     accelerate's own FSDP2 route (`fully_shard` per decoder layer), which accelerate enables only on GPUs;
-    `accelerate_fsdp_on_cpu` lifts that for the test.
+    `accelerate_fsdp_on_cpu` lifts that for the test. `sp_options`: more `ParallelismConfig` fields
+    (sp_backend, ulysses_degree, ring_variant, ...).
     """
     from transformers import Trainer, TrainingArguments
 
@@ -216,7 +218,7 @@ def run_trainer(
         remove_unused_columns=False,
         label_smoothing_factor=label_smoothing,
         gradient_checkpointing=gradient_checkpointing,
-        parallelism_config=_parallelism(sp),
+        parallelism_config=_parallelism(sp, sp_options),
         **(FSDP2_ARGS if fsdp2 else {}),
     )
     trainer_cls = subclass_trainer() if subclass else Trainer
@@ -407,6 +409,7 @@ def run_sft(
     eval_data: dict[str, tuple[str, int]] | None = None,
     steps: int = 4,
     epochs: float | None = None,
+    sp_options: dict | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
 
@@ -444,7 +447,7 @@ def run_sft(
         packing=packing,
         max_length=64,
         completion_only_loss=completion_only,
-        parallelism_config=_parallelism(sp),
+        parallelism_config=_parallelism(sp, sp_options),
     )
     eval_sets = {name: sft_dataset(kind, n, seed=11) for name, (kind, n) in (eval_data or {}).items()}
     trainer = SFTTrainer(

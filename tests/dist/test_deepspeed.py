@@ -40,7 +40,7 @@ def _collate(features):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def _train(rank: int, world_size: int, out: str, stages: list[int | None]) -> dict:
+def _train(rank: int, world_size: int, out: str, stages: list[int | None], sp_options: dict | None = None) -> dict:
     import os
 
     from accelerate import PartialState
@@ -81,18 +81,30 @@ def _train(rank: int, world_size: int, out: str, stages: list[int | None]) -> di
             remove_unused_columns=False,
             seed=1,
             disable_tqdm=True,
-            parallelism_config=hf_longctx.ParallelismConfig(sp_size=world_size) if world_size > 1 else None,
+            parallelism_config=(
+                hf_longctx.ParallelismConfig(sp_size=world_size, **(sp_options or {})) if world_size > 1 else None
+            ),
         )
         trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=_dataset(), data_collator=_collate)
         trainer.train()
-        assert trainer.model.config._attn_implementation.startswith("hf_longctx_ulysses") == (world_size > 1)
+        assert trainer.model.config._attn_implementation.startswith("hf_longctx_") == (world_size > 1)
         results[stage] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     return results
 
 
+_REFERENCE: list = []  # the single-process run, shared with test_ring_trainer.py
+
+
+def single_process_reference(tmp_dir: str) -> list:
+    """Per-step (loss, grad_norm) of the run without SP and without DeepSpeed (computed once per session)."""
+    if not _REFERENCE:
+        _REFERENCE.append(run_distributed(_train, 1, tmp_dir, [None], timeout=300)[0][None])
+    return _REFERENCE[0]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run_distributed(_train, 1, str(tmp_path_factory.mktemp("ref")), [None], timeout=300)[0][None]
+    return single_process_reference(str(tmp_path_factory.mktemp("ref")))
 
 
 @pytest.mark.slow

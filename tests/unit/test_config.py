@@ -59,7 +59,7 @@ def test_bad_sp_size_raises_naming_sp_size(bad):
 
 
 def test_unknown_backend_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"sp_backend.*\['ulysses', 'deepspeed'\]"):
+    with pytest.raises(ValueError, match=r"sp_backend.*\['ulysses', 'ring', 'hybrid', 'auto', 'deepspeed'\]"):
         ParallelismConfig(sp_size=2, sp_backend="ring_of_fire")
 
 

@@ -190,7 +190,7 @@ def test_other_model_keeps_its_attention():
 def test_unknown_backend_raises():
     model = tiny_model("llama")
     keys_before = registry_keys()
-    with pytest.raises(ValueError, match=r"\['ulysses'\]"):
+    with pytest.raises(ValueError, match=r"\['ulysses', 'ring', 'hybrid', 'auto'\]"):
         enable_sequence_parallel(model, SINGLE, backend="megatron")
     assert_restored(model, keys_before)
 

@@ -1,0 +1,105 @@
+"""Resolve a requested SP backend into what runs: Ulysses or Ulysses x ring, and the token layout.
+
+`resolve_backend` is the main (pure) function, called by `enable_sequence_parallel` and by
+`hf-longctx check` before anything is launched: every invalid combination raises a `ValueError`
+naming the fix. "ring" is the hybrid with Ulysses degree 1; "hybrid" without a degree and "auto"
+take theirs from `auto.choose_backend`; a Ulysses degree equal to the SP size is plain Ulysses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..data.layout import check_layout
+from .auto import choose_backend
+from .ring import check_variant
+from .ulysses import check_heads
+
+BACKENDS = ("ulysses", "ring", "hybrid", "auto")
+
+
+@dataclass(frozen=True)
+class SPBackend:
+    """What runs: `name` is "ulysses", "ring" or "hybrid" (auto resolved), with the Ulysses degree,
+    the ring variant and the token layout the data side must produce."""
+
+    name: str
+    sp_size: int
+    ulysses_degree: int
+    ring_variant: str
+    layout: str
+    reason: str = ""
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks in each ring (1 for Ulysses)."""
+        return self.sp_size // self.ulysses_degree
+
+
+def valid_ulysses_degrees(num_heads: int, sp_size: int) -> list[int]:
+    """Ulysses degrees usable for `num_heads` query heads at SP size `sp_size`."""
+    return [u for u in range(1, sp_size + 1) if sp_size % u == 0 and num_heads % u == 0]
+
+
+def resolve_backend(
+    backend: str,
+    num_heads: int,
+    num_kv_heads: int,
+    sp_size: int,
+    *,
+    ulysses_degree: int | None = None,
+    ring_variant: str | None = None,
+    ring_layout: str = "zigzag",
+    ranks_per_node: int | None = None,
+    link: str | None = None,
+) -> SPBackend:
+    """The backend that will run for this model and SP size.
+
+    Args:
+        backend: "ulysses", "ring", "hybrid" or "auto".
+        num_heads, num_kv_heads: the model's query and key/value heads.
+        sp_size: P.
+        ulysses_degree: hybrid/auto: the Ulysses degree U (P / U ranks per ring); None = chosen.
+        ring_variant: "p2p" (pass-KV) or "allgather"; None = "p2p", or auto's choice.
+        ring_layout: "zigzag" (balanced causal work) or "contiguous", for backends with a ring.
+        ranks_per_node, link: inputs of the automatic choice (see `auto.choose_backend`).
+
+    Raises:
+        ValueError: unknown names, a Ulysses degree that does not divide P or the heads, Ulysses with
+            heads not divisible by P, or options that do not apply to the backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown sequence-parallel backend {backend!r}; choose one of {list(BACKENDS)}.")
+    check_layout(ring_layout)
+    if ring_variant is not None:
+        check_variant(ring_variant)
+    if backend == "ulysses":
+        check_heads(num_heads, sp_size)
+        if ulysses_degree not in (None, sp_size):
+            raise ValueError(
+                f'ulysses_degree={ulysses_degree} applies to sp_backend="hybrid" or "auto"; Ulysses uses all '
+                f'{sp_size} ranks. Set sp_backend="hybrid" or drop ulysses_degree.'
+            )
+        return SPBackend("ulysses", sp_size, sp_size, ring_variant or "p2p", "contiguous")
+    if backend == "ring" and ulysses_degree not in (None, 1):
+        raise ValueError(
+            f'ulysses_degree={ulysses_degree} does not apply to sp_backend="ring" (a ring over all {sp_size} ranks); '
+            'use sp_backend="hybrid" for Ulysses x ring.'
+        )
+    choice = choose_backend(num_heads, num_kv_heads, sp_size, ranks_per_node, link)
+    if backend == "ring":
+        degree, reason = 1, ""
+    elif ulysses_degree is not None:
+        valid = valid_ulysses_degrees(num_heads, sp_size)
+        if ulysses_degree not in valid:
+            raise ValueError(
+                f"ulysses_degree={ulysses_degree} must divide sp_size={sp_size} and num_attention_heads="
+                f"{num_heads}; valid degrees: {valid} (the ring takes sp_size / ulysses_degree ranks)."
+            )
+        degree, reason = ulysses_degree, f"Ulysses degree {ulysses_degree} as configured"
+    else:
+        degree, reason = choice.ulysses_degree, choice.reason
+    variant = ring_variant or (choice.ring_variant if backend == "auto" else "p2p")
+    if degree == sp_size:  # a ring of one rank: plain Ulysses, with the model's own kernel
+        return SPBackend("ulysses", sp_size, sp_size, variant, "contiguous", reason)
+    return SPBackend("ring" if degree == 1 else "hybrid", sp_size, degree, variant, ring_layout, reason)

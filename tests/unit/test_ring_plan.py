@@ -1,0 +1,173 @@
+"""Ring attention's pure parts: block plans vs brute force, the LSE merge, the CPU/math kernels, and the
+flash-attn signature probe (with stand-in functions: no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_longctx.attention.lse_kernels import CpuFlashKernel, MathKernel, flash_call_kwargs
+from hf_longctx.attention.ring_plan import VisibilityRule, fix_empty_rows, merge_block, plan_block, plan_ring
+from hf_longctx.data.layout import layout_indices
+
+
+def _covered(plan, nq, nk) -> torch.Tensor:
+    """Boolean [bs or 1, nq, nk]: the pairs a plan hands to the kernel as visible."""
+    out = torch.zeros(1 if plan is None or plan.allowed is None else plan.allowed.shape[0], nq, nk, dtype=torch.bool)
+    if plan is None:
+        return out
+    n, m = plan.rows.stop - plan.rows.start, plan.cols.stop - plan.cols.start
+    crop = torch.ones(n, m, dtype=torch.bool)
+    if plan.causal:
+        crop = crop.tril()
+    crop = crop.unsqueeze(0) if plan.allowed is None else plan.allowed[:, 0]
+    out[:, plan.rows, plan.cols] = crop
+    return out
+
+
+RULES = {
+    "causal": lambda pos, doc: VisibilityRule(None),
+    "packed": lambda pos, doc: VisibilityRule(doc),
+    "window": lambda pos, doc: VisibilityRule(None, window=5),
+    "packed_window_chunk": lambda pos, doc: VisibilityRule(doc, window=7, chunk=4, position_ids=pos),
+}
+
+
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+@pytest.mark.parametrize(("kind", "world"), [("contiguous", 2), ("zigzag", 2), ("contiguous", 4), ("zigzag", 4)])
+def test_plans_cover_exactly_the_visible_pairs(rule_name, kind, world):
+    seq = 32
+    lengths = [(5, 1, 14, 12), (16, 16)]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    doc = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in lengths])
+    rule = RULES[rule_name](pos, doc)
+    indices = [layout_indices(kind, r, world, seq) for r in range(world)]
+    for rank in range(world):
+        for src, plan in enumerate(plan_ring(indices, rank, rule)):
+            want = rule.allowed(indices[rank], indices[src])
+            got = _covered(plan, len(indices[rank]), len(indices[src]))
+            assert torch.equal(got.expand_as(want), want), (rank, src, plan)
+            if plan is not None and plan.empty_rows is not None:
+                assert torch.equal(plan.empty_rows, ~plan.allowed[:, 0].any(-1))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_zigzag_balances_causal_work_and_needs_no_mask(world):
+    seq = 16 * world
+    indices = [layout_indices("zigzag", r, world, seq) for r in range(world)]
+    for rank in range(world):
+        plans = plan_ring(indices, rank, VisibilityRule(None))
+        assert all(p is not None and p.allowed is None for p in plans)
+        # Off-diagonal steps: exactly half of a block each (m x 2m or 2m x m, m = seq / 2P).
+        m = seq // (2 * world)
+        assert all(p.pairs == 2 * m * m for src, p in enumerate(plans) if src != rank)
+        assert plans[rank].causal
+    contiguous = [layout_indices("contiguous", r, world, seq) for r in range(world)]
+    assert plan_ring(contiguous, 0, VisibilityRule(None))[1] is None  # future keys: skipped
+
+
+def test_merge_equals_one_softmax_over_all_keys_and_ignores_empty_blocks():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    full_out, full_lse = MathKernel().forward(q, k, v, causal=False, allowed=None, scale=0.5)
+    out = torch.zeros_like(full_out)
+    lse = torch.full_like(full_lse, float("-inf"))
+    empty = torch.zeros(1, 1, 5, 2, dtype=torch.bool)  # a block no row sees: LSE -inf, O 0
+    for block, allowed in ((slice(0, 2), None), (slice(2, 5), None), (slice(0, 2), empty)):
+        o, lb = MathKernel().forward(q, k[:, :, block], v[:, :, block], causal=False, allowed=allowed, scale=0.5)
+        merge_block(out, lse, o, lb, slice(0, 5))
+    torch.testing.assert_close(out, full_out, rtol=0, atol=1e-14)
+    torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-14)
+    assert not torch.isnan(out).any()
+
+
+def test_cpu_kernel_reports_lse_zero_for_empty_rows_and_the_fix_restores_minus_inf():
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    allowed = torch.tensor([[True, True], [False, False], [True, False]]).view(1, 1, 3, 2)
+    out, lse = CpuFlashKernel().forward(q, q[:, :, :2], q[:, :, :2], causal=False, allowed=allowed, scale=1.0)
+    assert float(lse[0, 0, 1]) == 0.0  # the trap: not -inf
+    _, ref = MathKernel().forward(q, q[:, :, :2], q[:, :, :2], causal=False, allowed=allowed, scale=1.0)
+    plan = plan_block(torch.arange(3), torch.arange(2), VisibilityRule(None))  # any plan with empty rows:
+    plan = type(plan)(slice(0, 3), slice(0, 2), False, allowed, ~allowed[:, 0].any(-1))
+    torch.testing.assert_close(fix_empty_rows(lse, plan), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("hq", "hkv", "d", "dv"), [(4, 2, 8, 8), (4, 1, 3, 3), (4, 4, 12, 8)])
+def test_cpu_flash_kernel_matches_math_kernel_forward_and_backward(dtype, hq, hkv, d, dv):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, hq, 6, d, generator=g, dtype=dtype)
+    k = torch.randn(2, hkv, 6, d, generator=g, dtype=dtype)
+    v = torch.randn(2, hkv, 6, dv, generator=g, dtype=dtype)
+    dout = torch.randn(2, hq, 6, dv, generator=g, dtype=dtype)
+    allowed = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+    allowed[..., 0] = True
+    tol = {"rtol": 0, "atol": 1e-12 if dtype == torch.float64 else 2e-5}
+    for causal, mask in ((True, None), (False, allowed)):
+        cpu, math = CpuFlashKernel(), MathKernel()
+        out, lse = cpu.forward(q, k, v, causal=causal, allowed=mask, scale=0.4)
+        ref_out, ref_lse = math.forward(q, k, v, causal=causal, allowed=mask, scale=0.4)
+        torch.testing.assert_close(out, ref_out, **tol)
+        torch.testing.assert_close(lse, ref_lse, **tol)
+        grads = cpu.backward(dout, q, k, v, out, lse, causal=causal, allowed=mask, scale=0.4)
+        ref = math.backward(dout, q, k, v, out, lse, causal=causal, allowed=mask, scale=0.4)
+        for got, want in zip(grads, ref, strict=True):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, **tol)
+
+
+def _fa2_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+):  # noqa: E501
+    return locals()
+
+
+def _fa3_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dq,
+    dk,
+    dv,
+    softmax_scale,
+    is_causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    deterministic,
+    sm_margin=0,
+):  # noqa: E501
+    return locals()
+
+
+def _future(q, k, v, softmax_scale, causal, brand_new_required):
+    return locals()
+
+
+def test_flash_attn_signature_probe_fills_known_parameters_and_refuses_unknown_ones():
+    kw = flash_call_kwargs(_fa2_forward, {"q": 1, "k": 2, "v": 3, "softmax_scale": 0.5, "causal": True})
+    assert kw["window_size_left"] == -1 and kw["softcap"] == 0.0 and kw["causal"] is True
+    given = dict.fromkeys(("dout", "q", "k", "v", "out", "softmax_lse", "dk", "dv"), 0)
+    kw = flash_call_kwargs(_fa3_backward, {**given, "is_causal": False, "dq": "dq", "softmax_scale": 0.1})
+    assert kw["is_causal"] is False and kw["cu_seqlens_q"] is None and kw["dq"] == "dq"
+    with pytest.raises(ValueError, match="brand_new_required"):
+        flash_call_kwargs(_future, {"q": 1, "k": 1, "v": 1, "softmax_scale": 1, "causal": True})
