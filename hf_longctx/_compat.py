@@ -8,6 +8,7 @@ checks both, so an upgrade that changes them fails loudly instead of silently.
 
 from __future__ import annotations
 
+import datetime
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -61,3 +62,28 @@ def all_gather_into_tensor() -> Callable[..., Any]:
     import torch.distributed as dist
 
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_timeout(group: Any) -> datetime.timedelta | None:
+    """The collective timeout of `group` (None: the default group), or None if torch does not expose it.
+
+    torch has no public getter; each backend keeps the timeout it was created with in `options._timeout`.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", []):
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def set_group_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    """Change the collective timeout of an existing group (None: the default group); gloo and NCCL only."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(timeout, group)

@@ -8,9 +8,12 @@ node whenever `sp_size` divides the number of GPUs per node.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from .failures import resolve_timeout
 
 
 def validate_sp_size(sp_size: int, world_size: int | None = None) -> None:
@@ -49,17 +52,20 @@ class SequenceParallelGroups:
     dp_world_size: int
 
     @classmethod
-    def build(cls, sp_size: int) -> SequenceParallelGroups:
+    def build(cls, sp_size: int, timeout: datetime.timedelta | float | None = None) -> SequenceParallelGroups:
         """Create the SP and DP groups; every rank of the job must call this collectively.
 
         Args:
             sp_size: sequence-parallel degree; must divide the world size.
+            timeout: how long a collective on these groups may wait for a peer (seconds or a timedelta)
+                before it raises (gloo) or the watchdog aborts the process (NCCL); None follows the
+                default process group's, i.e. what `init_process_group(timeout=...)` was given.
 
         Returns:
             The groups of the calling rank.
 
         Raises:
-            ValueError: `torch.distributed` is not initialised, or `sp_size` is invalid.
+            ValueError: `torch.distributed` is not initialised, `sp_size` is invalid, or `timeout` <= 0.
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
@@ -68,17 +74,18 @@ class SequenceParallelGroups:
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         validate_sp_size(sp_size, world)
+        timeout = resolve_timeout(timeout)
         dp_size = world // sp_size
         sp_group = dp_group = None
         # Every rank must take part in creating every group, in the same order.
         for i in range(dp_size):
             ranks = list(range(i * sp_size, (i + 1) * sp_size))
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 sp_group = group
         for j in range(sp_size):
             ranks = list(range(j, world, sp_size))
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 dp_group = group
         return cls(

@@ -43,17 +43,23 @@ def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
     return torch.tensor([zlib.crc32(layout.encode()), bs, sl, checksum], dtype=torch.int64)
 
 
-def _raise_on_mismatch(values: torch.Tensor, fields: tuple[str, ...], groups: SequenceParallelGroups) -> None:
-    # One all-gather of a fixed-size tensor: it cannot hang on mismatched shapes.
-    table = all_gather_stacked(values, groups.sp_group).cpu()
+def _raise_on_mismatch(
+    values: torch.Tensor, fields: tuple[str, ...], groups: SequenceParallelGroups, extra: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    # One all-gather of a fixed-size tensor: it cannot hang on mismatched shapes. `extra` rides along
+    # unchecked (values that may differ per rank); every rank's copy is returned.
+    n = len(fields)
+    sent = values if extra is None else torch.cat([values, extra.to(values.device)])
+    table = all_gather_stacked(sent, groups.sp_group).cpu()
     differs = [name for i, name in enumerate(fields) if bool((table[:, i] != table[0, i]).any())]
     if differs:
-        per_rank = {r: table[r].tolist() for r in range(groups.sp_world_size)}
+        per_rank = {r: table[r, :n].tolist() for r in range(groups.sp_world_size)}
         raise ValueError(
             f"Sequence-parallel ranks hold different batches ({', '.join(differs)} differ; per SP rank "
             f"{list(fields)}: {per_rank}). Every rank of an SP group must read the same samples: "
             "use a sampler seeded identically and sharded by DP rank only."
         )
+    return None if extra is None else table[:, n:]
 
 
 def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGroups) -> None:
@@ -67,24 +73,33 @@ def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGr
 
 
 def check_shard_consistency(
-    position_ids: torch.Tensor, signature: torch.Tensor | None, groups: SequenceParallelGroups
-) -> None:
+    position_ids: torch.Tensor,
+    signature: torch.Tensor | None,
+    groups: SequenceParallelGroups,
+    summary: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Before the first collective of a forward: the shards agree in shape and come from one batch.
 
     Args:
         position_ids: the local `[bs, sl_l]` positions of the shard.
         signature: the full batch's `batch_signature`, when the collator attached one.
         groups: the SP groups.
+        summary: this shard's `validation.shard_summary`, gathered in the same all-gather so that every
+            rank can check every shard's token ids and positions.
+
+    Returns:
+        Every SP rank's `summary`, stacked as `[sp, len(summary)]` (None when none was given).
 
     Raises:
         ValueError: naming what differs across the SP ranks.
     """
     if not groups.sp_enabled:
-        return
+        return None if summary is None else summary.reshape(1, -1)
     sig = signature.cpu() if signature is not None else torch.zeros(len(_SIGNATURE_FIELDS), dtype=torch.int64)
     shape = torch.tensor([position_ids.shape[0], position_ids.shape[-1]], dtype=torch.int64)
     values = torch.cat([sig.to(torch.int64), shape]).to(position_ids.device)
-    _raise_on_mismatch(values, (*_SIGNATURE_FIELDS, "shard batch size", "shard sequence length"), groups)
+    fields = (*_SIGNATURE_FIELDS, "shard batch size", "shard sequence length")
+    return _raise_on_mismatch(values, fields, groups, summary)
 
 
 def shard_batch(
