@@ -140,7 +140,8 @@ _launches: dict[Any, Any] = {}
 def launch_once(key: Any, world_size: int, out_dir: str, *, timeout: float, **kwargs: Any) -> list[_faults.RankOutcome]:
     """`_faults.launch(train_job, ...)` at most once per session per key (a failure is re-raised each time)."""
     if key not in _launches:
-        faulty = [kwargs["fault"]["rank"]] if kwargs.get("fault", {}) and kwargs["fault"]["phase"] == "freeze" else []
+        fault = kwargs.get("fault") or {}
+        faulty = [fault["rank"]] if fault.get("phase") == "freeze" else []
         try:
             _launches[key] = _faults.launch(train_job, world_size, out_dir, timeout=timeout, faulty=faulty, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised for every dependent test
@@ -151,8 +152,41 @@ def launch_once(key: Any, world_size: int, out_dir: str, *, timeout: float, **kw
     return result
 
 
+def uninterrupted(world_size: int, root: Any, *, timeout: float, zero3: str | None = None) -> tuple[str, list[dict]]:
+    """The uninterrupted SP=2 run at `world_size` (once per session): its output dir and every rank's result.
+
+    `root` is pytest's `tmp_path_factory`; the fault and resume tests share these runs.
+    """
+    key = ("run", world_size, zero3)
+    if key not in _launches:
+        _launches[("dir", key)] = str(root.mktemp(f"run{world_size}{zero3 or ''}"))
+    out_dir = _launches[("dir", key)]
+    return out_dir, results(launch_once(key, world_size, out_dir, sp=2, zero3=zero3, timeout=timeout))
+
+
 def results(outcomes: list[_faults.RankOutcome]) -> list[dict[str, Any]]:
     """Every rank's return value; fails with the ranks' errors if any rank did not finish cleanly."""
     bad = [o for o in outcomes if not o.ok or o.result is None]
     assert not bad, "\n\n".join(f"rank {o.rank} exit {o.exitcode} hung={o.hung}:\n{o.error}" for o in bad)
     return [o.result for o in outcomes]
+
+
+def to_universal(checkpoint: str) -> str:
+    """Convert the DeepSpeed checkpoint inside a Trainer checkpoint folder to DeepSpeed's universal format.
+
+    In-process equivalent of `python -m deepspeed.checkpoint.ds_to_universal --input_folder <ckpt>/global_stepN
+    --output_folder <ckpt>/global_stepN_universal` (the README's command), which also writes
+    `<ckpt>/latest_universal`, the tag DeepSpeed loads when its config has `checkpoint.load_universal`.
+    """
+    import glob
+    from unittest import mock
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    (source,) = glob.glob(os.path.join(checkpoint, "global_step*"))
+    target = f"{source}_universal"
+    argv = ["ds_to_universal", "--input_folder", source, "--output_folder", target]
+    argv += ["--num_extract_workers", "1", "--num_merge_workers", "1"]
+    with mock.patch("sys.argv", argv):
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    return target

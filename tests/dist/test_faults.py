@@ -40,11 +40,6 @@ def out_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("faults")
 
 
-def _uninterrupted(world: int, out_root: Path) -> list[dict]:
-    out = str(out_root / f"run{world}")
-    return J.results(J.launch_once(("run", world), world, out, sp=2, timeout=LAUNCH_TIMEOUT_S))
-
-
 def _killed(world: int, phase: str, out_root: Path) -> tuple[list, float]:
     out = out_root / f"kill{world}-{phase}"
     fault = {"rank": KILLED_RANK, "step": KILL_STEP, "phase": phase}
@@ -86,9 +81,9 @@ def test_killed_rank_ends_every_survivor_fast_with_a_peer_failure(world, phase, 
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS), ids=list(WORLDS.values()))
-def test_killed_runs_leave_the_last_checkpoint_intact(world, out_root):
-    _uninterrupted(world, out_root)
-    reference = out_root / f"run{world}" / "checkpoint-2"
+def test_killed_runs_leave_the_last_checkpoint_intact(world, out_root, tmp_path_factory):
+    run_dir, _ = J.uninterrupted(world, tmp_path_factory, timeout=LAUNCH_TIMEOUT_S)
+    reference = Path(run_dir) / "checkpoint-2"
     # training_args.bin pickles the output directory, which differs per run by design.
     files = sorted(p.name for p in reference.iterdir() if p.name != "training_args.bin")
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(files)
@@ -102,8 +97,10 @@ def test_killed_runs_leave_the_last_checkpoint_intact(world, out_root):
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS), ids=list(WORLDS.values()))
-def test_restart_from_last_checkpoint_reproduces_the_run_row_for_row(world, out_root, record_property):
-    full = _uninterrupted(world, out_root)
+def test_restart_from_last_checkpoint_reproduces_the_run_row_for_row(
+    world, out_root, tmp_path_factory, record_property
+):
+    _, full = J.uninterrupted(world, tmp_path_factory, timeout=LAUNCH_TIMEOUT_S)
     _killed(world, "backward", out_root)
     killed_dir = str(out_root / f"kill{world}-backward")
     restart = J.launch_once(("restart", world), world, killed_dir, sp=2, resume=True, timeout=LAUNCH_TIMEOUT_S)
