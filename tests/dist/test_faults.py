@@ -163,3 +163,51 @@ def test_torchrun_stops_the_job_and_names_the_dead_rank(tmp_path, record_propert
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     record_property("seconds_to_exit", ended - killed_at)
+
+
+def timeouts_worker(rank: int, world_size: int, out_dir: str) -> dict[str, float | None]:
+    """Timeouts of the default, SP and DP groups: built from a job timeout of 77 s, explicitly, and via Trainer."""
+    from transformers import Trainer, TrainingArguments
+
+    import hf_longctx
+    from hf_longctx._compat import group_timeout
+    from tests._models import tiny_model
+
+    def seconds(group) -> float:
+        return group_timeout(group).total_seconds()
+
+    out = {}
+    groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    out["followed"] = [seconds(None), seconds(groups.sp_group), seconds(groups.dp_group)]
+    groups = hf_longctx.SequenceParallelGroups.build(world_size, timeout=5)
+    out["explicit"] = [seconds(None), seconds(groups.sp_group), seconds(groups.dp_group)]
+    for name, extra in (("trainer_default", {}), ("trainer_ddp_timeout", {"ddp_timeout": 42})):
+        args = TrainingArguments(
+            output_dir=out_dir,
+            use_cpu=True,
+            report_to=[],
+            max_steps=1,
+            parallelism_config=hf_longctx.ParallelismConfig(sp_size=world_size),
+            **extra,
+        )
+        trainer = Trainer(model=tiny_model("llama"), args=args)
+        trainer.get_total_train_batch_size(args)  # what train() calls first
+        state = hf_longctx.trainer.sp_state(trainer)
+        out[name] = [seconds(None), seconds(state.groups.sp_group), seconds(state.groups.dp_group)]
+        hf_longctx.trainer.detach(trainer)
+    return out
+
+
+def test_groups_follow_the_job_timeout_and_ddp_timeout(tmp_path):
+    from tests import _faults
+
+    outcomes = _faults.launch(timeouts_worker, 2, str(tmp_path), timeout=LAUNCH_TIMEOUT_S, pg_timeout_s=77)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    for outcome in outcomes:
+        got = outcome.result
+        # torch's new_group would give 1800 s (gloo) whatever init_process_group was told.
+        assert got["followed"] == [77, 77, 77]
+        assert got["explicit"] == [77, 5, 5]
+        # The Trainer leaves a process group it did not create alone unless ddp_timeout is set.
+        assert got["trainer_default"] == [77, 77, 77]
+        assert got["trainer_ddp_timeout"] == [42, 42, 42]
