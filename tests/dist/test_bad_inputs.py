@@ -156,8 +156,9 @@ def _messages(name: str, tmp_path_factory) -> list[str | None]:
         ("trainer_empty_eval", ["The DataLoader yields no batch: its dataset has 0 rows"]),
     ],
 )
-def test_bad_input_raises_on_every_rank_naming_the_culprit(scenario, expected, tmp_path_factory):
+def test_bad_input_raises_on_every_rank_naming_the_culprit(scenario, expected, tmp_path_factory, record_property):
     messages = _messages(scenario, tmp_path_factory)
+    record_property("seconds", max(o.result[scenario]["seconds"] for o in _cache["bad"]))
     assert len(messages) == 2
     for message in messages:
         assert message is not None, f"{scenario}: no ValueError"

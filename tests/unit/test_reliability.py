@@ -220,3 +220,16 @@ def test_untied_optimizer_steps_restore_the_adamw_update():
     broken = _adamw_steps(alias=True, untie=False)
     assert all(torch.equal(a, b) for a, b in zip(repaired, reference, strict=True))
     assert not torch.equal(broken[1], reference[1])  # the aliased step really changes the update
+
+
+def test_every_recipe_bounds_a_hang_below_the_default_timeout():
+    from pathlib import Path
+
+    import yaml
+
+    recipes = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+    assert recipes
+    for path in recipes:
+        timeout = yaml.safe_load(path.read_text()).get("ddp_timeout")
+        # TrainingArguments' default is 1800 s; NCCL's own 600 s. The recipes choose theirs explicitly.
+        assert isinstance(timeout, int) and 60 <= timeout < 1800, (path.name, timeout)
