@@ -1,4 +1,4 @@
-"""A checkpoint resumes at another SP size with the same later losses; one that would change the global batch is refused.
+"""A checkpoint resumes at another SP size with equal later losses; one that changes the global batch is refused.
 
 Source: the uninterrupted SP=2 run at world 2 (DP=1; AdamW, linear decay, gradient accumulation 2, shared with
 `test_faults.py`) and its checkpoint after step 2. Copies of that checkpoint resume at SP=4 (world 4) and without
