@@ -22,6 +22,8 @@ TESTS = ["tests/dist/test_faults.py", "tests/dist/test_bad_inputs.py", "tests/di
 LAYOUTS = {"sp2": "SP=2 (world 2)", "dp2_sp2": "DP=2 x SP=2 (world 4)"}
 PHASES = {"forward": "the forward", "backward": "the backward", "optimizer": "the optimizer step"}
 LOST = "step 3 (in progress); restart from checkpoint-2 redoes it: steps 3-5 bitwise equal, same rows"
+# The torchrun and hang runs are not restarted; their checkpoint-2 is checked byte for byte against the others'.
+SAME_CHECKPOINT = "step 3 (in progress); checkpoint-2 byte-identical to the runs above"
 
 
 def run_tests(xml: Path) -> tuple[int, dict[str, dict[str, object]]]:
@@ -66,7 +68,7 @@ def rows(props: dict[str, dict[str, object]]) -> list[tuple[str, str, str, str]]
             "SIGKILL rank 1 in the forward, SP=2 under `torchrun`",
             "torchrun's summary names `rank: 1`, `Signal 9 (SIGKILL)`; it stops rank 0; no process left",
             _seconds(case.get("seconds_to_exit", [])) + " (launcher exit)",
-            LOST,
+            SAME_CHECKPOINT,
         )
     )
     case = props.get("test_frozen_rank_ends_its_peer_after_the_timeout", {})
@@ -75,16 +77,31 @@ def rows(props: dict[str, dict[str, object]]) -> list[tuple[str, str, str, str]]
             "SIGSTOP rank 1 in the forward (a hang), SP=2, `ddp_timeout=3`",
             "rank 0's `all_to_all` raises `CollectiveError` after the group timeout (3 s), naming ranks [0, 1]",
             _seconds(case.get("seconds_to_error", [])),
-            LOST,
+            SAME_CHECKPOINT,
         )
     )
+    for engine, name in (("ddp", "DDP"), ("zero3", "ZeRO-3, universal checkpoint")):
+        diffs = [
+            props.get(f"test_checkpoint_from_sp2_resumes_at_another_sp_size[{sp}-{engine}]", {}).get("max_rel_diff")
+            for sp in ("sp4_world4", "sp1_world1")
+        ]
+        worst = max((d for d in diffs if d is not None), default=None)
+        shown = f"{worst:.1e}" if worst is not None else "n/a"
+        out.append(
+            (
+                f"job restarted at another SP size: checkpoint-2 of SP=2 resumed at SP=4 (world 4) and SP=1 ({name})",
+                f"steps 3-5 equal the uninterrupted SP=2 run (max relative difference {shown}), same rows",
+                "-",
+                "the steps since the checkpoint, redone",
+            )
+        )
     bad = [v for k, v in props.items() if k.startswith("test_bad_input_raises_on_every_rank")]
     out.append(
         (
             "bad input: token id >= vocab or < 0, position >= the model's limit, mask/ids shape mismatch, "
             "empty batch / dataset",
             "`ValueError` naming the culprit on every SP rank, before any attention collective",
-            _seconds([v.get("seconds", 0.0) for v in bad]) + " (to the error)",
+            _seconds([v.get("seconds", 0.0) for v in bad]) + " (to the error, building the Trainer included)",
             "nothing: no step ran",
         )
     )

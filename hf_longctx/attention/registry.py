@@ -19,7 +19,7 @@ import torch
 from .. import _compat
 from ..comm import all_gather_sequence
 from ..data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
-from ..data.validation import ModelLimits, check_positions, check_token_ids, shard_summary
+from ..data.validation import ModelLimits
 from ..groups import SequenceParallelGroups
 from .kernels import SequenceContext, kernel_family
 from .ulysses import check_heads, ulysses_attention
@@ -76,10 +76,8 @@ class SequenceParallelHandle:
                 "the output of hf_longctx.shard_batch(batch, groups) (or remove the handle first)."
             )
         # Bad inputs raise here on every SP rank, from values all of them hold, before any attention collective.
-        summary = shard_summary(kwargs.get("input_ids"), position_ids, kwargs.get("attention_mask"))
-        summaries = check_shard_consistency(position_ids, signature, self.groups, summary)
-        check_token_ids(summaries, self.limits)
-        check_positions(summaries, self.limits)
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        check_shard_consistency(position_ids, signature, self.groups, ids, mask, self.limits)
         _no_zero_denominator(kwargs)
         self.attention_calls = 0
         self.context = SequenceContext(all_gather_sequence(position_ids.long(), self.groups.sp_group))

@@ -15,7 +15,7 @@ check is decided from data every rank of the SP group has:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,20 +53,23 @@ def check_batch_layout(batch: Mapping[str, Any], bs: int, sl: int) -> None:
 def shard_summary(
     input_ids: torch.Tensor | None, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`[min id, max id, max position]` of a shard (int64, CPU): what the input checks need from every rank.
+    """`[min id, max id, max position]` of a shard (int64): what the input checks need from every rank.
 
     Ids are `[0, -1]` when there are none (`inputs_embeds`). The position is that of the last real token:
     with a 2-D `attention_mask`, the padding added for the SP size (its positions continue past the
-    sequence) does not count; -1 when the shard holds no real token.
+    sequence) does not count; -1 when the shard holds no real token. Tensor operations only (no host
+    sync): under `torch.compile` the one host decision stays where the all-gathered table is read.
     """
-    ids = [0, -1]
-    if input_ids is not None and input_ids.numel() > 0 and not input_ids.is_floating_point():
-        ids = [int(input_ids.min()), int(input_ids.max())]
-    positions = position_ids
+    device = position_ids.device
+    if input_ids is None or input_ids.numel() == 0 or input_ids.is_floating_point():
+        ids = torch.tensor([0, -1], dtype=torch.int64, device=device)
+    else:
+        ids = torch.stack([input_ids.min(), input_ids.max()]).to(device=device, dtype=torch.int64)
+    positions = position_ids.to(torch.int64)
     if attention_mask is not None and attention_mask.shape == position_ids.shape:
-        positions = position_ids[attention_mask.bool()]
-    top = int(positions.max()) if positions.numel() > 0 else -1
-    return torch.tensor([*ids, top], dtype=torch.int64)
+        positions = torch.where(attention_mask.to(device).bool(), positions, torch.full_like(positions, -1))
+    top = positions.max().reshape(1) if positions.numel() else torch.full((1,), -1, dtype=torch.int64, device=device)
+    return torch.cat([ids, top])
 
 
 @dataclass(frozen=True)
@@ -109,11 +112,11 @@ def position_limit(config: Any) -> int | None:
     return limit
 
 
-def check_token_ids(summaries: torch.Tensor, limits: ModelLimits) -> None:
+def check_token_ids(summaries: Sequence[Sequence[int]], limits: ModelLimits) -> None:
     """Raise when a token id is negative or not below the embedding rows.
 
     Args:
-        summaries: `[sp, 3]` `shard_summary` of every SP rank's shard.
+        summaries: the `shard_summary` of every SP rank's shard, as lists of ints in rank order.
         limits: the model's limits.
 
     Raises:
@@ -121,7 +124,7 @@ def check_token_ids(summaries: torch.Tensor, limits: ModelLimits) -> None:
     """
     if limits.vocab_rows is None:
         return
-    for rank, (lo, hi, _) in enumerate(summaries.tolist()):
+    for rank, (lo, hi, _) in enumerate(summaries):
         if hi < lo:
             continue
         bad = lo if lo < 0 else hi if hi >= limits.vocab_rows else None
@@ -134,17 +137,17 @@ def check_token_ids(summaries: torch.Tensor, limits: ModelLimits) -> None:
             )
 
 
-def check_positions(summaries: torch.Tensor, limits: ModelLimits) -> None:
+def check_positions(summaries: Sequence[Sequence[int]], limits: ModelLimits) -> None:
     """Raise when the position of a real token reaches the model's limit (`position_limit`).
 
     Args:
-        summaries: `[sp, 3]` `shard_summary` of every SP rank's shard.
+        summaries: the `shard_summary` of every SP rank's shard, as lists of ints in rank order.
         limits: the model's limits.
 
     Raises:
         ValueError: naming the largest position and the limit, and the fixes.
     """
-    top = int(summaries[:, 2].max()) if summaries.numel() else -1
+    top = max((summary[2] for summary in summaries), default=-1)
     if limits.max_positions is not None and top >= limits.max_positions:
         raise ValueError(
             f"A sequence reaches position {top}, but {limits.model_name} supports {limits.max_positions} positions "
@@ -152,6 +155,12 @@ def check_positions(summaries: torch.Tensor, limits: ModelLimits) -> None:
             f"{limits.max_positions} tokens (max_length) or pack shorter documents, or extend the model's context "
             "(rope scaling and max_position_embeddings in its config) before training."
         )
+
+
+def check_inputs(summaries: Sequence[Sequence[int]], limits: ModelLimits) -> None:
+    """`check_token_ids` then `check_positions` on every SP rank's `shard_summary`."""
+    check_token_ids(summaries, limits)
+    check_positions(summaries, limits)
 
 
 def check_loader_not_empty(data_loader: Any) -> None:

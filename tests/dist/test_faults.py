@@ -80,20 +80,24 @@ def test_killed_rank_ends_every_survivor_fast_with_a_peer_failure(world, phase, 
     record_property("seconds_to_exit", delays)
 
 
-@pytest.mark.parametrize("world", sorted(WORLDS), ids=list(WORLDS.values()))
-def test_killed_runs_leave_the_last_checkpoint_intact(world, out_root, tmp_path_factory):
+def _assert_last_checkpoint_intact(out: Path, world: int, tmp_path_factory) -> None:
+    """`out` holds checkpoint-2 only, byte for byte the uninterrupted run's (so a restart from it is that run's)."""
     run_dir, _ = J.uninterrupted(world, tmp_path_factory, timeout=LAUNCH_TIMEOUT_S)
     reference = Path(run_dir) / "checkpoint-2"
     # training_args.bin pickles the output directory, which differs per run by design.
     files = sorted(p.name for p in reference.iterdir() if p.name != "training_args.bin")
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(files)
+    # The fault came after checkpoint-2 was complete and before checkpoint-4 was started.
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"], out
+    for name in files:
+        assert (out / "checkpoint-2" / name).read_bytes() == (reference / name).read_bytes(), (out, name)
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS), ids=list(WORLDS.values()))
+def test_killed_runs_leave_the_last_checkpoint_intact(world, out_root, tmp_path_factory):
     for phase in J.PHASES:
         _killed(world, phase, out_root)
-        out = out_root / f"kill{world}-{phase}"
-        # The kill came after checkpoint-2 was complete and before checkpoint-4 was started.
-        assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"], phase
-        for name in files:
-            assert (out / "checkpoint-2" / name).read_bytes() == (reference / name).read_bytes(), (phase, name)
+        _assert_last_checkpoint_intact(out_root / f"kill{world}-{phase}", world, tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS), ids=list(WORLDS.values()))
@@ -119,7 +123,7 @@ def test_restart_from_last_checkpoint_reproduces_the_run_row_for_row(
     record_property("restarted_rows_rank0", restarted[0]["rows"][: total - done])
 
 
-def test_frozen_rank_ends_its_peer_after_the_timeout(out_root, record_property):
+def test_frozen_rank_ends_its_peer_after_the_timeout(out_root, tmp_path_factory, record_property):
     out = out_root / "freeze"
     fault = {"rank": KILLED_RANK, "step": KILL_STEP, "phase": "freeze"}
     outcomes = J.launch_once(
@@ -134,10 +138,11 @@ def test_frozen_rank_ends_its_peer_after_the_timeout(out_root, record_property):
     assert f"group timeout {FREEZE_TIMEOUT_S} s" in peer.error
     waited = peer.error_time - frozen_at
     assert FREEZE_TIMEOUT_S - 0.5 <= waited < FREEZE_TIMEOUT_S + EXIT_BOUND_S, waited
+    _assert_last_checkpoint_intact(out, 2, tmp_path_factory)
     record_property("seconds_to_error", waited)
 
 
-def test_torchrun_stops_the_job_and_names_the_dead_rank(tmp_path, record_property):
+def test_torchrun_stops_the_job_and_names_the_dead_rank(tmp_path, tmp_path_factory, record_property):
     out = tmp_path / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -162,6 +167,7 @@ def test_torchrun_stops_the_job_and_names_the_dead_rank(tmp_path, record_propert
         pid = int((out / f"pid-rank{rank}").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    _assert_last_checkpoint_intact(out, 2, tmp_path_factory)
     record_property("seconds_to_exit", ended - killed_at)
 
 

@@ -71,18 +71,18 @@ def test_shard_summary_ignores_the_padding_added_for_sp():
 
 def test_token_ids_outside_the_embedding_are_named_with_their_rank():
     limits = V.ModelLimits(vocab_rows=128, max_positions=None, model_name="Tiny")
-    V.check_token_ids(torch.tensor([[0, 127, 5], [0, -1, -1]]), limits)  # rank 1 holds no ids
+    V.check_token_ids([[0, 127, 5], [0, -1, -1]], limits)  # rank 1 holds no ids
     with pytest.raises(ValueError, match=r"token id 128 \(in SP rank 1's shard\).*Tiny \(128 embedding rows"):
-        V.check_token_ids(torch.tensor([[3, 100, 5], [1, 128, 9]]), limits)
+        V.check_token_ids([[3, 100, 5], [1, 128, 9]], limits)
     with pytest.raises(ValueError, match=r"token id -100 \(in SP rank 0's shard\)"):
-        V.check_token_ids(torch.tensor([[-100, 100, 5], [1, 12, 9]]), limits)
+        V.check_token_ids([[-100, 100, 5], [1, 12, 9]], limits)
 
 
 def test_positions_reaching_the_limit_are_refused():
     limits = V.ModelLimits(vocab_rows=None, max_positions=16, model_name="Tiny")
-    V.check_positions(torch.tensor([[0, 1, 15], [0, 1, 3]]), limits)
+    V.check_positions([[0, 1, 15], [0, 1, 3]], limits)
     with pytest.raises(ValueError, match="reaches position 16, but Tiny supports 16 positions"):
-        V.check_positions(torch.tensor([[0, 1, 15], [0, 1, 16]]), limits)
+        V.check_positions([[0, 1, 15], [0, 1, 16]], limits)
 
 
 @pytest.mark.parametrize(
