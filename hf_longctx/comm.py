@@ -9,6 +9,7 @@ non-differentiable helpers for metadata, checks and metrics. All of them:
   tensors, gloo CPU ones, and a CPU tensor handed to NCCL fails at run time on GPU only;
 - return results on the caller's device;
 - are counted by `instrument.record_collectives` (calls, bytes, seconds);
+- raise `failures.CollectiveError` naming the collective and its ranks when a peer dies or times out;
 - treat `group=None` (or a group of one rank) as "no communication".
 """
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from . import _compat
+from .failures import collective_failure
 from .instrument import CollectiveStats, active_recorder, timed_collective
 
 # Device types each torch.distributed backend accepts; a backend string may list several
@@ -67,7 +69,7 @@ def _all_to_all_forward(
         recv = funcol.wait_tensor(funcol.all_to_all_single(send.flatten(0, 1), None, None, group)).view_as(send)
         return recv.to(x.device).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
     recv = torch.empty_like(send)
-    with timed_collective("all_to_all", send, (ws - 1) / ws, stats):
+    with timed_collective("all_to_all", send, (ws - 1) / ws, stats), collective_failure("all_to_all", group):
         dist.all_to_all_single(recv, send, group=group)
     # recv[j] came from rank j: put the rank axis right before gather_dim and merge them.
     return recv.to(x.device).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
@@ -123,7 +125,8 @@ def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     if torch.compiler.is_compiling():
         return funcol.wait_tensor(funcol.all_gather_tensor(local, 0, group)).view(ws, *x.shape).to(x.device)
     out = torch.empty((ws, local.shape[1]), dtype=local.dtype, device=local.device)
-    with timed_collective("all_gather", local, ws - 1):  # each shard reaches ws - 1 ranks
+    # Each shard reaches ws - 1 ranks.
+    with timed_collective("all_gather", local, ws - 1), collective_failure("all_gather", group):
         # gloo wants the output as the inputs concatenated along dim 0: flatten each rank's tensor.
         _compat.all_gather_into_tensor()(out, local, group=group)
     return out.view(ws, *x.shape).to(x.device)
@@ -150,7 +153,8 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     out = _to_group(x.detach().clone(), group)
     if not _solo(group):
         ws = dist.get_world_size(group)
-        with timed_collective("all_reduce", out, 2 * (ws - 1) / ws):  # ring all-reduce volume
+        # Ring all-reduce volume.
+        with timed_collective("all_reduce", out, 2 * (ws - 1) / ws), collective_failure("all_reduce", group):
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out.to(x.device)
 
@@ -160,11 +164,13 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     if _solo(group):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with collective_failure("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:
     """Wait until every rank of `group` arrives (no-op without a group)."""
     if not _solo(group):
-        dist.barrier(group=group)
+        with collective_failure("barrier", group):
+            dist.barrier(group=group)

@@ -8,12 +8,15 @@ node whenever `sp_size` divides the number of GPUs per node.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from . import _compat
 from .data.layout import LayoutSlot
+from .failures import resolve_timeout
 
 
 def validate_sp_size(sp_size: int, world_size: int | None = None) -> None:
@@ -58,17 +61,20 @@ class SequenceParallelGroups:
     _hybrid: dict[int, HybridGroups] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, sp_size: int) -> SequenceParallelGroups:
+    def build(cls, sp_size: int, timeout: datetime.timedelta | float | None = None) -> SequenceParallelGroups:
         """Create the SP and DP groups; every rank of the job must call this collectively.
 
         Args:
             sp_size: sequence-parallel degree; must divide the world size.
+            timeout: how long a collective on these groups may wait for a peer (seconds or a timedelta)
+                before it raises (gloo) or the watchdog aborts the process (NCCL); None follows the
+                default process group's, i.e. what `init_process_group(timeout=...)` was given.
 
         Returns:
             The groups of the calling rank.
 
         Raises:
-            ValueError: `torch.distributed` is not initialised, or `sp_size` is invalid.
+            ValueError: `torch.distributed` is not initialised, `sp_size` is invalid, or `timeout` <= 0.
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
@@ -77,17 +83,18 @@ class SequenceParallelGroups:
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         validate_sp_size(sp_size, world)
+        timeout = resolve_timeout(timeout)
         dp_size = world // sp_size
         sp_group = dp_group = None
         # Every rank must take part in creating every group, in the same order.
         for i in range(dp_size):
             ranks = list(range(i * sp_size, (i + 1) * sp_size))
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 sp_group = group
         for j in range(sp_size):
             ranks = list(range(j, world, sp_size))
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 dp_group = group
         return cls(
@@ -105,15 +112,20 @@ class SequenceParallelGroups:
         """Groups for a single process without `torch.distributed` (SP=1, DP=1): the reference run."""
         return cls(sp_group=None, sp_rank=0, sp_world_size=1, dp_group=None, dp_rank=0, dp_world_size=1)
 
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """Every process group of this rank these groups own: SP, DP and the hybrid (Ulysses, ring) ones."""
+        hybrid = [g for h in self._hybrid.values() for g in (h.ulysses_group, h.ring_group)]
+        return list({id(g): g for g in (self.sp_group, self.dp_group, *hybrid) if g is not None}.values())
+
     def destroy(self) -> None:
         """Destroy the SP, DP and hybrid groups of this rank (local: other ranks destroy theirs themselves).
 
         Safe to call twice and after `torch.distributed` itself was shut down.
         """
-        hybrid = [g for h in self._hybrid.values() for g in (h.ulysses_group, h.ring_group)]
+        groups = self.process_groups()
         self._hybrid.clear()
-        for group in {id(g): g for g in (self.sp_group, self.dp_group, *hybrid)}.values():
-            if group is None or not dist.is_initialized():
+        for group in groups:
+            if not dist.is_initialized():
                 continue
             try:
                 dist.destroy_process_group(group)
@@ -157,7 +169,7 @@ class SequenceParallelGroups:
             found = {}
             for name, grid in (("ulysses", ulysses), ("ring", ring)):
                 for ranks in grid:  # every rank creates every group, in the same order
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=_compat.group_timeout(self.sp_group))
                     if rank in ranks:
                         found[name] = (group, tuple(ranks))
             (u_group, u_ranks), (r_group, r_ranks) = found["ulysses"], found["ring"]

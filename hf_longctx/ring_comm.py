@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .failures import collective_failure
 from .instrument import CollectiveStats, active_recorder
 
 
@@ -29,12 +30,22 @@ def _record(stats: CollectiveStats | None, op: str, nbytes: int, seconds: float)
 class Pending:
     """An exchange in flight; `wait()` returns the received buffer (and counts the call)."""
 
-    def __init__(self, works: list, recv: torch.Tensor, nbytes: int, stats: CollectiveStats | None, start: float):
+    def __init__(
+        self,
+        works: list,
+        recv: torch.Tensor,
+        nbytes: int,
+        stats: CollectiveStats | None,
+        start: float,
+        group: dist.ProcessGroup | None = None,
+    ):
         self._works, self._recv, self._nbytes, self._stats, self._start = works, recv, nbytes, stats, start
+        self._group = group
 
     def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
+        with collective_failure("ring_p2p", self._group):  # a dead peer surfaces here, not at the send
+            for work in self._works:
+                work.wait()
         if self._works:
             _record(self._stats, "ring_p2p", self._nbytes, time.perf_counter() - self._start)
         self._works = []
@@ -73,8 +84,9 @@ class RingComm:
             dist.P2POp(dist.irecv, recv, prv, self.group, tag),
         ]
         start = time.perf_counter()
-        works = dist.batch_isend_irecv(ops)
-        return Pending(works, recv, flat.numel() * flat.element_size(), stats, start)
+        with collective_failure("ring_p2p", self.group):
+            works = dist.batch_isend_irecv(ops)
+        return Pending(works, recv, flat.numel() * flat.element_size(), stats, start, self.group)
 
     def all_gather(self, flat: torch.Tensor, stats: CollectiveStats | None = None) -> torch.Tensor:
         """`[size, *flat.shape]`: every ring rank's `flat`, in ring order."""
@@ -82,7 +94,8 @@ class RingComm:
             return flat.unsqueeze(0)
         out = torch.empty((self.size, *flat.shape), dtype=flat.dtype, device=flat.device)
         start = time.perf_counter()
-        dist.all_gather(list(out.unbind(0)), flat.contiguous(), group=self.group)
+        with collective_failure("ring_all_gather", self.group):
+            dist.all_gather(list(out.unbind(0)), flat.contiguous(), group=self.group)
         _record(
             stats, "ring_all_gather", flat.numel() * flat.element_size() * (self.size - 1), time.perf_counter() - start
         )
@@ -100,13 +113,14 @@ class RingComm:
         blocks = blocks.contiguous()
         nbytes = blocks[0].numel() * blocks.element_size() * (self.size - 1)
         start = time.perf_counter()
-        if dist.get_backend(self.group) == "nccl":
-            out = torch.empty_like(blocks[0])
-            dist.reduce_scatter_tensor(out, blocks, group=self.group)
-        else:
-            recv = torch.empty_like(blocks)
-            dist.all_to_all_single(recv, blocks, group=self.group)
-            out = recv.sum(0)
+        with collective_failure("ring_reduce_scatter", self.group):
+            if dist.get_backend(self.group) == "nccl":
+                out = torch.empty_like(blocks[0])
+                dist.reduce_scatter_tensor(out, blocks, group=self.group)
+            else:
+                recv = torch.empty_like(blocks)
+                dist.all_to_all_single(recv, blocks, group=self.group)
+                out = recv.sum(0)
         _record(stats, "ring_reduce_scatter", nbytes, time.perf_counter() - start)
         return out
 

@@ -21,6 +21,7 @@ from .. import _compat
 from ..comm import all_gather_sequence
 from ..data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
 from ..data.layout import LAYOUT_KEY, to_global_order
+from ..data.validation import ModelLimits
 from ..groups import SequenceParallelGroups
 from ..ring_comm import ring_of
 from .auto import detect_link
@@ -48,6 +49,7 @@ class SequenceParallelHandle:
         self.context: SequenceContext | None = None
         self.attention_calls = 0  # Ulysses calls in the current forward (see `_check_layers`)
         self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
+        self.limits = ModelLimits.of(model)  # vocabulary and position limit, checked every forward
         self._forward_takes_kwargs = any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
         )
@@ -87,7 +89,10 @@ class SequenceParallelHandle:
                 "Sequence parallelism needs the global position_ids of the shard: call the model with "
                 "the output of hf_longctx.shard_batch(batch, groups) (or remove the handle first)."
             )
-        check_shard_consistency(position_ids, signature, self.groups)
+        # Bad inputs raise here on every SP rank, from values all of them hold, before any attention collective.
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        check_shard_consistency(position_ids, signature, self.groups, ids, mask, self.limits)
+        _no_zero_denominator(kwargs)
         self.attention_calls = 0
         gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
         self.context = SequenceContext(to_global_order(gathered, self.backend.layout, self.groups.sp_world_size))
@@ -321,3 +326,13 @@ def _ring_kwargs(sp: SPBackend, groups: SequenceParallelGroups) -> dict[str, Any
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _no_zero_denominator(kwargs: dict[str, Any]) -> None:
+    # A gradient-accumulation window without any valid label gives num_items_in_batch = 0, and transformers'
+    # losses divide the (zero) summed loss by it: NaN. Dividing by 1 gives loss 0 and zero gradients.
+    n = kwargs.get("num_items_in_batch")
+    if isinstance(n, torch.Tensor):
+        kwargs["num_items_in_batch"] = torch.where(n == 0, torch.ones_like(n), n)
+    elif n == 0:
+        kwargs["num_items_in_batch"] = 1

@@ -17,6 +17,7 @@ from ..comm import all_gather_stacked
 from ..groups import SequenceParallelGroups
 from .layout import LAYOUT_KEY
 from .sharding import shard_batch_for_rank
+from .validation import ModelLimits, check_inputs, shard_summary
 
 _SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
 # A batch may carry its full-batch signature under this key; the model pre-hook pops and checks it.
@@ -44,17 +45,23 @@ def batch_signature(batch: Mapping[str, Any]) -> torch.Tensor:
     return torch.tensor([zlib.crc32(layout.encode()), bs, sl, checksum], dtype=torch.int64)
 
 
-def _raise_on_mismatch(values: torch.Tensor, fields: tuple[str, ...], groups: SequenceParallelGroups) -> None:
-    # One all-gather of a fixed-size tensor: it cannot hang on mismatched shapes.
-    table = all_gather_stacked(values, groups.sp_group).cpu()
-    differs = [name for i, name in enumerate(fields) if bool((table[:, i] != table[0, i]).any())]
+def _raise_on_mismatch(
+    values: torch.Tensor, fields: tuple[str, ...], groups: SequenceParallelGroups, extra: torch.Tensor | None = None
+) -> list[list[int]] | None:
+    # One all-gather of a fixed-size tensor: it cannot hang on mismatched shapes. `extra` rides along
+    # unchecked (values that may differ per rank); every rank's copy is returned.
+    n = len(fields)
+    sent = values if extra is None else torch.cat([values, extra.to(values.device)])
+    rows = all_gather_stacked(sent, groups.sp_group).tolist()
+    differs = [name for i, name in enumerate(fields) if any(row[i] != rows[0][i] for row in rows)]
     if differs:
-        per_rank = {r: table[r].tolist() for r in range(groups.sp_world_size)}
+        per_rank = {r: row[:n] for r, row in enumerate(rows)}
         raise ValueError(
             f"Sequence-parallel ranks hold different batches ({', '.join(differs)} differ; per SP rank "
             f"{list(fields)}: {per_rank}). Every rank of an SP group must read the same samples: "
             "use a sampler seeded identically and sharded by DP rank only."
         )
+    return None if extra is None else [row[n:] for row in rows]
 
 
 def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGroups) -> None:
@@ -68,24 +75,39 @@ def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGr
 
 
 def check_shard_consistency(
-    position_ids: torch.Tensor, signature: torch.Tensor | None, groups: SequenceParallelGroups
+    position_ids: torch.Tensor,
+    signature: torch.Tensor | None,
+    groups: SequenceParallelGroups,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    limits: ModelLimits | None = None,
 ) -> None:
-    """Before the first collective of a forward: the shards agree in shape and come from one batch.
+    """Before the first collective of a forward: the shards agree in shape, come from one batch and hold
+    inputs the model can take.
 
     Args:
         position_ids: the local `[bs, sl_l]` positions of the shard.
         signature: the full batch's `batch_signature`, when the collator attached one.
         groups: the SP groups.
+        input_ids, attention_mask: the shard's; with `limits` (the model's `validation.ModelLimits`) their
+            `validation.shard_summary` rides along the same all-gather, so that every rank checks every
+            shard's token ids and positions.
 
     Raises:
-        ValueError: naming what differs across the SP ranks.
+        ValueError: naming what differs across the SP ranks, or the token id / position the model cannot take.
     """
+    summary = None if limits is None else shard_summary(input_ids, position_ids, attention_mask)
     if not groups.sp_enabled:
+        if summary is not None:
+            check_inputs([summary.tolist()], limits)
         return
     sig = signature.cpu() if signature is not None else torch.zeros(len(_SIGNATURE_FIELDS), dtype=torch.int64)
     shape = torch.tensor([position_ids.shape[0], position_ids.shape[-1]], dtype=torch.int64)
     values = torch.cat([sig.to(torch.int64), shape]).to(position_ids.device)
-    _raise_on_mismatch(values, (*_SIGNATURE_FIELDS, "shard batch size", "shard sequence length"), groups)
+    fields = (*_SIGNATURE_FIELDS, "shard batch size", "shard sequence length")
+    summaries = _raise_on_mismatch(values, fields, groups, summary)
+    if summaries is not None:
+        check_inputs(summaries, limits)
 
 
 def shard_batch(

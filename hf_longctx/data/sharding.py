@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .layout import layout_indices, pad_multiple
+from .validation import check_batch_layout
 
 IGNORE_INDEX = -100
 # Padding-free metadata describes the *global* sequence; the attention rebuilds it from the
@@ -126,11 +127,13 @@ def prepare_global_batch(
         sequence tensors (`[bs, sl, ...]`), which are the ones to slice.
 
     Raises:
-        ValueError: left padding, a non 2-D attention mask, or no `input_ids`/`inputs_embeds`.
+        ValueError: left padding, a non 2-D attention mask, no `input_ids`/`inputs_embeds`, an empty
+            batch, or a sequence tensor whose `[batch, seq]` disagrees with `input_ids`.
     """
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}.")
     bs, sl = _batch_shape(batch)
+    check_batch_layout(batch, bs, sl)
     out = {k: v for k, v in batch.items() if k not in PACKING_METADATA_KEYS and k != "labels"}
     mask = batch.get("attention_mask")
     if mask is not None:

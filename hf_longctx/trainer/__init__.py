@@ -10,9 +10,11 @@ class-level Trainer methods are patched (`patches.py`), acting only for attached
 
 from .accelerator import SequenceParallelState, attach, detach, sp_hidden, sp_state
 from .patches import install_trainer_patches, remove_trainer_patches, takes_shifted_labels
+from .resume import UniversalCheckpointFix
 
 __all__ = [
     "SequenceParallelState",
+    "UniversalCheckpointFix",
     "attach",
     "detach",
     "install_trainer_patches",

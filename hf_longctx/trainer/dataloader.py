@@ -13,6 +13,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..data.collator import SequenceShardingCollator
+from ..data.validation import check_loader_not_empty
 
 if TYPE_CHECKING:
     from .accelerator import SequenceParallelState
@@ -42,7 +43,8 @@ def prepare_data_loader(
     """accelerate's `prepare_data_loader`, sampled by DP rank only and sharded by SP rank.
 
     Raises:
-        ValueError: `dispatch_batches=True` (one rank would load and slice batches for the others).
+        ValueError: `dispatch_batches=True` (one rank would load and slice batches for the others), or the
+            loader yields no batch (every rank sees the same dataset, so every rank raises).
     """
     from accelerate.data_loader import prepare_data_loader as accelerate_prepare
     from accelerate.utils import DistributedType
@@ -56,6 +58,7 @@ def prepare_data_loader(
             "dispatch_batches=True is not supported with sequence parallelism: every SP rank must load the "
             "batch itself; set accelerator_config={'dispatch_batches': False}."
         )
+    check_loader_not_empty(data_loader)
     _shard_collate(data_loader, state)
     if device_placement is None:
         device_placement = (

@@ -19,9 +19,11 @@ from typing import Any
 
 from transformers.trainer_pt_utils import LabelSmoother
 
+from ..failures import apply_timeout
 from ..patching import Patch
 from .accelerator import SequenceParallelState, sp_state
 from .evaluation import full_prediction, observe_num_items
+from .resume import track_layout
 
 SHIFTED_LABELS_ATTR = "hf_longctx_takes_shifted_labels"
 _FRAMES_ATTR = "_hf_longctx_prediction_frames"
@@ -49,7 +51,8 @@ class ShiftedLabelSmoother(LabelSmoother):
 
 
 def prepare_trainer(trainer: Any, state: SequenceParallelState) -> None:
-    """Check a Trainer's settings against SP and adapt the label smoother (idempotent).
+    """Check a Trainer's settings against SP and adapt the label smoother (idempotent); record the
+    parallel layout in checkpoints (`resume.py`) and give every process group `ddp_timeout`.
 
     Raises:
         ValueError: naming the Trainer option to change.
@@ -71,6 +74,11 @@ def prepare_trainer(trainer: Any, state: SequenceParallelState) -> None:
             f"{type(trainer.model).__name__}.forward does not accept num_items_in_batch (**kwargs), so the loss "
             "cannot be token-weighted across SP ranks; pass compute_loss_func (see hf_longctx.takes_shifted_labels)."
         )
+    track_layout(trainer, state.undo)
+    if args.ddp_timeout != type(args).__dataclass_fields__["ddp_timeout"].default:
+        # transformers passes ddp_timeout to init_process_group, but not with use_cpu=True (gloo) nor to a
+        # process group that already exists: apply a ddp_timeout the user chose to every group the job uses.
+        apply_timeout((None, *state.groups.process_groups()), args.ddp_timeout)
     smoother = trainer.label_smoother
     if smoother is not None and not isinstance(smoother, ShiftedLabelSmoother):
         trainer.label_smoother = ShiftedLabelSmoother(epsilon=smoother.epsilon, ignore_index=smoother.ignore_index)

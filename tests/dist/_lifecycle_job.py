@@ -1,6 +1,7 @@
 """A torchrun job for `test_lifecycle.py`: SP=2 Trainer through train, evaluate, predict and detach.
 
-Prints one `RESULT <json>` line per rank: the number of live process groups at each stage. An atexit
+Prints one `RESULT <json>` line per rank: the number of live process groups at each stage. A third Trainer
+runs predict and is still attached when the interpreter exits (the usual end of a script). An atexit
 hook registered first (so it runs last) prints whether torch.distributed was shut down before the
 interpreter exits: a gloo group still alive at exit can abort the process with SIGABRT.
 """
@@ -48,10 +49,12 @@ def make_trainer(out: str) -> Trainer:
         remove_unused_columns=False,
         parallelism_config=hf_longctx.ParallelismConfig(sp_size=2),
     )
-    return Trainer(model=tiny_model("llama"), args=args, train_dataset=U.dataset("mixed", 8), data_collator=U.RecordingCollator())
+    return Trainer(
+        model=tiny_model("llama"), args=args, train_dataset=U.dataset("mixed", 8), data_collator=U.RecordingCollator()
+    )
 
 
-def main(out: str) -> None:
+def main(out: str) -> Trainer:
     counts = {}
     trainer = make_trainer(out)
     counts["attached"] = live_groups()
@@ -67,7 +70,10 @@ def main(out: str) -> None:
     gc.collect()
     counts["collected"] = live_groups()
     print("RESULT " + json.dumps(counts), flush=True)
+    # The usual end of a script: the last Trainer is still attached (neither detached nor collected) at exit.
+    return make_trainer(out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    last = main(sys.argv[1])
+    last.predict(U.dataset("eval", 5))

@@ -1,0 +1,286 @@
+"""A long SP run that must not drift: resident memory, threads, process groups and step time per step.
+
+    python -m benchmarks.drift                  # 300 optimizer steps at SP=2 on 2 CPU processes (~2-4 min here)
+    python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look
+    python -m benchmarks.drift --from-json benchmarks/results/<date>-drift.json   # re-render table and plot
+
+One `torchrun --standalone --nproc_per_node SP -m benchmarks.drift --worker DIR` job trains the default tiny
+Llama (2 layers, GPT-2 vocabulary) with the stock Trainer and Ulysses SP on short Shakespeare windows (256
+tokens, batch 1, AdamW; 100 windows, so 300 steps cross two epoch boundaries), logging every step;
+`DriftProbe` records on every rank, at the end of every optimizer step, the resident set size
+(`/proc/self/statm`), the number of OS threads (`/proc/self/status`), the number of live process groups and
+the step's wall time. The parent writes
+`benchmarks/results/<date>-drift.{json,md,png}`; `summarize` holds the verdicts:
+
+- memory: the first vs the last window of (up to) 50 measured steps after the warm-up; the growth of the
+  median and of the floor (the lowest RSS, what a leak raises) must be <= 1%;
+- threads and process groups: a single value on every rank after the warm-up (groups: from the first step);
+- step time: median of the second half of the measured steps vs the first half (and a least-squares slope).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+RSS_GROWTH_LIMIT = 0.01
+_PAGE = resource.getpagesize()
+
+
+def probe_sample() -> dict[str, float]:
+    """Resident MiB, OS threads and live process groups of this process, now."""
+    import torch.distributed as dist
+
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * _PAGE / 2**20
+    with open("/proc/self/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+    return {"rss_mib": rss, "threads": threads, "groups": groups}
+
+
+def make_probe() -> Any:
+    """A `TrainerCallback` that appends one sample per optimizer step to its `samples` list."""
+    from transformers import TrainerCallback
+
+    class DriftProbe(TrainerCallback):
+        def __init__(self) -> None:
+            self.samples: list[dict[str, float]] = []
+            self._start = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_s = time.perf_counter() - self._start
+            self.samples.append({"step": state.global_step, "step_s": step_s, **probe_sample()})
+
+    return DriftProbe()
+
+
+def default_model_and_data(seq_len: int, windows: int = 100) -> tuple[Any, Any]:
+    """The default tiny Llama (2 layers, GPT-2 vocabulary) and `windows` Shakespeare windows of `seq_len` tokens.
+
+    100 windows: a 300-step run crosses two epoch boundaries (a fresh sampler pass and loader iterator each).
+    """
+    from hf_longctx.defaults import gpt2_tokenizer, tiny_llama, window_dataset
+
+    tok = gpt2_tokenizer()
+    return tiny_llama(tok, num_hidden_layers=2), window_dataset(tok, seq_len, max_windows=windows)
+
+
+def train(out_dir: str, model: Any, data: Any, *, steps: int, sp: int) -> list[dict[str, float]]:
+    """Train `model` on `data` (rows of equal-length `input_ids`) for `steps` optimizer steps at `sp`, in a job
+    whose ranks are already launched; return the per-step samples."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import hf_longctx
+
+    def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    probe = make_probe()
+    args = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        per_device_train_batch_size=1,
+        max_steps=steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+        dataloader_drop_last=True,
+        seed=0,
+        parallelism_config=hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[probe])
+    trainer.train()
+    return probe.samples
+
+
+def summarize(per_rank: list[list[dict[str, float]]], warmup: int) -> dict[str, Any]:
+    """Verdicts and numbers from every rank's samples (see the module docstring).
+
+    Resident memory swings from step to step (glibc returns and re-maps the large freed blocks: +-15% on the
+    default run), so the first and last windows of up to 50 measured steps are compared by their median (the
+    verdict), their floor (what a leak raises) and their peak.
+    """
+    out: dict[str, Any] = {"warmup": warmup, "steps": len(per_rank[0]), "ranks": []}
+    for samples in per_rank:
+        after = samples[warmup:]
+        window = max(min(50, len(after) // 2), 1)
+        first, last = [s["rss_mib"] for s in after[:window]], [s["rss_mib"] for s in after[-window:]]
+        times = [s["step_s"] for s in after]
+        half = len(times) // 2
+        t_first, t_second = statistics.median(times[:half]), statistics.median(times[half:])
+        out["ranks"].append(
+            {
+                "window": window,
+                "rss_first_mib": statistics.median(first),
+                "rss_last_mib": statistics.median(last),
+                "rss_growth": statistics.median(last) / statistics.median(first) - 1,
+                "rss_floor_growth": min(last) / min(first) - 1,
+                "rss_peak_growth": max(last) / max(first) - 1,
+                "rss_slope_mib_per_100": 100 * _slope([s["step"] for s in after], [s["rss_mib"] for s in after]),
+                "threads": sorted({s["threads"] for s in after}),
+                "groups": sorted({s["groups"] for s in samples}),
+                "step_s_first_half": t_first,
+                "step_s_second_half": t_second,
+                "step_time_ratio": t_second / t_first,
+                "step_s_slope_per_100": 100 * _slope([s["step"] for s in after], times),
+            }
+        )
+    ranks = out["ranks"]
+    out["ok"] = {
+        "memory": all(max(r["rss_growth"], r["rss_floor_growth"]) <= RSS_GROWTH_LIMIT for r in ranks),
+        "threads": all(len(r["threads"]) == 1 for r in ranks),
+        "groups": all(len(r["groups"]) == 1 for r in ranks),
+    }
+    return out
+
+
+def _slope(x: list[float], y: list[float]) -> float:
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sxx = sum((a - mx) ** 2 for a in x)
+    return sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sxx if sxx else 0.0
+
+
+def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    window = summary["ranks"][0]["window"]
+    lines = [
+        f"# Drift: {summary['steps']} optimizer steps at SP={meta['sp']} ({meta['date']})",
+        "",
+        f"`{meta['command']}`: tiny Llama ({meta['layers']} layers, GPT-2 vocabulary), {meta['seq_len']}-token "
+        f"windows (100 of them: the run crosses two epoch boundaries), batch 1, AdamW, Trainer + Ulysses "
+        f"SP={meta['sp']} on {meta['sp']} CPU processes (gloo, one thread each). Warm-up: the first "
+        f"{summary['warmup']} steps; memory compares the first and the last {window} measured steps. Wall time "
+        f"{meta['wall_s']:.0f} s (a shared 2-core machine: step times are noisy).",
+        "",
+        "| rank | RSS, first window (median MiB) | last window | growth: median / floor / peak | RSS slope "
+        "(MiB / 100 steps) | threads | process groups | median step, 1st half (s) | 2nd half (s) | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for rank, r in enumerate(summary["ranks"]):
+        growth = " / ".join(f"{100 * r[k]:+.2f}%" for k in ("rss_growth", "rss_floor_growth", "rss_peak_growth"))
+        lines.append(
+            f"| {rank} | {r['rss_first_mib']:.1f} | {r['rss_last_mib']:.1f} | {growth} | "
+            f"{r['rss_slope_mib_per_100']:+.2f} | {r['threads']} | {r['groups']} | {r['step_s_first_half']:.4f} | "
+            f"{r['step_s_second_half']:.4f} | {r['step_time_ratio']:.3f} |"
+        )
+    ok = summary["ok"]
+    lines += [
+        "",
+        f"Verdicts: memory growth (median and floor) <= {100 * RSS_GROWTH_LIMIT:g}%: **{ok['memory']}**; constant "
+        f"threads: **{ok['threads']}**; constant process groups: **{ok['groups']}**.",
+        "",
+        f"![drift]({meta['png']})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    for rank, samples in enumerate(per_rank):
+        steps = [s["step"] for s in samples]
+        rss = [s["rss_mib"] for s in samples]
+        line = axes[0].plot(steps, rss, linewidth=0.5, alpha=0.4)[0]
+        rolling = [statistics.median(rss[max(i - 10, 0) : i + 1]) for i in range(len(rss))]
+        axes[0].plot(steps, rolling, color=line.get_color(), linewidth=2, label=f"rank {rank} (median of 11)")
+        axes[1].plot(steps, [s["step_s"] for s in samples], label=f"rank {rank}", linewidth=0.7)
+        axes[2].plot(steps, [s["threads"] for s in samples], label=f"rank {rank} OS threads")
+        axes[2].plot(steps, [s["groups"] for s in samples], "--", label=f"rank {rank} process groups")
+    axes[0].set_ylabel("resident MiB")
+    axes[1].set_ylabel("step time (s)")
+    axes[2].set_ylabel("count")
+    axes[2].set_ylim(bottom=0)
+    axes[2].set_xlabel("optimizer step")
+    for ax in axes:
+        ax.axvline(warmup, color="grey", linestyle=":")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def worker(out_dir: str, steps: int, seq_len: int, sp: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    model, data = default_model_and_data(seq_len)
+    samples = train(out_dir, model, data, steps=steps, sp=sp)
+    rank = int(os.environ.get("RANK", "0"))
+    Path(out_dir, f"samples-rank{rank}.json").write_text(json.dumps(samples))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--sp", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--from-json", type=Path, help="re-render the table and plot from a saved run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.steps, args.seq_len, args.sp)
+        return 0
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        return write_results(saved["samples"], saved["meta"], args.warmup, args.from_json.parent)
+
+    date = datetime.date.today().isoformat()
+    job_dir = args.out / f"{date}-drift-job"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.sp)]
+    cmd += ["-m", "benchmarks.drift", "--worker", str(job_dir), "--steps", str(args.steps)]
+    cmd += ["--seq-len", str(args.seq_len), "--sp", str(args.sp)]
+    start = time.monotonic()
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=max(1800, 10 * args.steps))
+    wall = time.monotonic() - start
+    per_rank = [json.loads((job_dir / f"samples-rank{r}.json").read_text()) for r in range(args.sp)]
+    for path in job_dir.iterdir():
+        path.unlink()
+    job_dir.rmdir()
+    command = "python -m benchmarks.drift" + ("" if args.steps == 300 else f" --steps {args.steps}")
+    meta = {"date": date, "sp": args.sp, "seq_len": args.seq_len, "layers": 2, "wall_s": wall, "command": command}
+    return write_results(per_rank, meta, args.warmup, args.out)
+
+
+def write_results(per_rank: list[list[dict[str, float]]], meta: dict[str, Any], warmup: int, out: Path) -> int:
+    """Write `<date>-drift.{json,md,png}` into `out`, print the table; 0 if every verdict holds."""
+    summary = summarize(per_rank, warmup)
+    png = out / f"{meta['date']}-drift.png"
+    plot(per_rank, warmup, png)
+    meta = {**meta, "png": png.name}
+    (out / f"{meta['date']}-drift.json").write_text(json.dumps({"meta": meta, "summary": summary, "samples": per_rank}))
+    (out / f"{meta['date']}-drift.md").write_text(markdown(summary, meta))
+    print(markdown(summary, meta))
+    return 0 if all(summary["ok"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
