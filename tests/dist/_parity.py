@@ -19,8 +19,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_longctx
-from hf_longctx.comm import all_gather_sequence
 from hf_longctx.attention.registry import _HANDLE_ATTR
+from hf_longctx.comm import all_gather_sequence
 from hf_longctx.data.sharding import prepare_global_batch
 from tests import _flash_standin as flash_standin
 from tests._models import tiny_model

@@ -56,7 +56,14 @@ CASES = (
     OpCase("contig_p2p_packed", layout="contiguous", bs=2, docs=PACKED, worlds=(2,)),
     OpCase("zigzag_allgather_packed", variant="allgather", bs=2, docs=PACKED, kv_heads=1),
     OpCase("zigzag_p2p_window", window=5, worlds=(2,)),
-    OpCase("contig_allgather_window_packed", layout="contiguous", variant="allgather", window=4, docs=((7, 17),), worlds=(2,)),
+    OpCase(
+        "contig_allgather_window_packed",
+        layout="contiguous",
+        variant="allgather",
+        window=4,
+        docs=((7, 17),),
+        worlds=(2,),
+    ),
     OpCase("zigzag_p2p_chunked", chunk=4, docs=((9, 15),), worlds=(2,)),
     OpCase("zigzag_p2p_one_token_per_chunk", seq_len=8, worlds=(2,), heads=4),  # S = 2P at P = 2: H == S_local
     OpCase("zigzag_p2p_odd_head_dim", head_dim=3, scale=0.7, worlds=(2,)),

@@ -137,7 +137,10 @@ def _mismatch_checks(groups) -> dict:
 def _refusals(groups) -> dict:
     """Models the ring cannot make exact are refused at enable time, naming sp_backend="ulysses"."""
     out = {}
-    for name, (spec, attn) in {"softcap": ("gemma2-softcap4x2-h64", "eager"), "sinks": ("gpt_oss-sinks4x2-h64", "eager")}.items():
+    for name, (spec, attn) in {
+        "softcap": ("gemma2-softcap4x2-h64", "eager"),
+        "sinks": ("gpt_oss-sinks4x2-h64", "eager"),
+    }.items():
         try:
             hf_longctx.enable_sequence_parallel(P.SPECS_BY_ID[spec].build(attn), groups, backend="ring")
             out[name] = None

@@ -14,7 +14,10 @@ _runs: dict[int, object] = {}
 
 def worker(rank: int, world_size: int) -> dict:
     names = tuple(c.name for c in R.CASES if world_size in c.worlds)
-    out = {"ops": R.ops_worker(rank, world_size, names), "parity": RP.parity_worker(rank, world_size, RP.COMBOS[world_size])}
+    out = {
+        "ops": R.ops_worker(rank, world_size, names),
+        "parity": RP.parity_worker(rank, world_size, RP.COMBOS[world_size]),
+    }
     if world_size == 2:
         out["features"] = RP.features_worker(rank, world_size)
     return out

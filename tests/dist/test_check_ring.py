@@ -37,7 +37,9 @@ def test_invalid_backend_options_exit_2_without_launching(argv, message, capsys,
 
 
 def test_ring_refuses_soft_capping_before_launching(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(hf_longctx.check.worker.subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(
+        hf_longctx.check.worker.subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError)
+    )
     config = Gemma2Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0,

@@ -24,7 +24,9 @@ def test_nine_head_recipe_with_auto_matches_no_sp(tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_sp2.yaml"]
     done = subprocess.run([*launch, *recipe, "--output_dir", sp, "--compare_to", ref], **run)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "sequence parallelism: SPBackend(name='ring', sp_size=2, ulysses_degree=1" in done.stdout, done.stdout[-2000:]
+    assert "sequence parallelism: SPBackend(name='ring', sp_size=2, ulysses_degree=1" in done.stdout, done.stdout[
+        -2000:
+    ]
     match = re.search(r"max relative difference ([0-9.e+-]+) over 3 steps", done.stdout)
     assert match, done.stdout[-2000:]
     assert float(match.group(1)) <= 1e-5

@@ -1,7 +1,7 @@
 """Ring and hybrid attention operators vs a float64 single-process reference (gloo, CPU, P = 2 and 4).
 
-The shared spawn per world size (`_ring_spawn.py`) runs every case of `_ring_ops.CASES` (layouts, both variants, GQA/MQA,
-packed documents, sliding windows, chunked layers, odd head sizes, hybrid 2 x 2); every rank checks
+The shared spawn per world size (`_ring_spawn.py`) runs every case of `_ring_ops.CASES` (layouts, both
+variants, GQA/MQA, packed documents, sliding windows, chunked layers, odd head sizes, hybrid 2 x 2); every rank checks
 its own shard of the output and of dq/dk/dv. float64 must match to 1e-10; float32 and bfloat16 are
 held to the error of the same attention computed in one call at that precision (RING.md-style rule:
 a ring error more than ~2x the single-call kernel's error vs float64 is a bug).

@@ -4,7 +4,8 @@ Loss relative difference <= 1e-6 and every parameter's gradient within 1e-5 of i
 Llama / Qwen3 / Mistral shapes (MHA, GQA, MQA, an irregular 12 x 3 split, 9 x 3 and 6 x 2 heads) with
 packed rows, padding, an odd length and shards without labels; both ring variants, zigzag and
 contiguous layouts, hybrid 2 x 2, and auto (which must pick what `AUTO_EXPECTED` says). One spawn
-per world size (shared with test_ring_ops.py, `_ring_spawn.py`); references computed once here (`_parity.reference_loss_and_grads`).
+per world size (shared with test_ring_ops.py, `_ring_spawn.py`); references computed once here
+(`_parity.reference_loss_and_grads`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ def ring_trainer_worker(rank: int, world_size: int, out: str, options: dict, tra
             config["resume_from"] = os.path.join(out, config["resume_from"])
         results[name] = U.run_trainer(os.path.join(out, name), **config)
     for name, config in sft.items():
-        results[f"sft_{name}"] = U.run_sft(os.path.join(out, f"sft_{name}"), **config, sp=world_size, sp_options=options)
+        results[f"sft_{name}"] = U.run_sft(
+            os.path.join(out, f"sft_{name}"), **config, sp=world_size, sp_options=options
+        )
     return results
 
 
