@@ -27,6 +27,8 @@ from .comm import all_reduce_sum
 from .data.collator import SequenceShardingCollator
 from .data.sharding import IGNORE_INDEX
 from .groups import SequenceParallelGroups, validate_sp_size
+from .memory import apply_memory_flags
+from .memory.attach import attach_memory_flags, detach_memory_flags
 from .metrics import gather_for_metrics
 from .patching import Patch
 
@@ -49,6 +51,8 @@ class SequenceParallelState:
         if getattr(model, "config", None) is None or any(h.model is model for h in self.handles):
             return
         self.handles.append(enable_sequence_parallel(model, self.groups, backend=self.config.sp_backend))
+        # Memory flags (tiled loss / MLP, activation offload; hf_longctx/memory): a no-op handle when all off.
+        self.handles.append(apply_memory_flags(model, self.config))
 
 
 def _unwrap(model: Any) -> Any:
@@ -100,6 +104,7 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
         )
     validate_sp_size(config.sp_size, accelerator.num_processes)
     if config.sp_size == 1:
+        attach_memory_flags(config, accelerator)  # the memory flags apply without SP too
         return None
     state = SequenceParallelState(config, SequenceParallelGroups.build(config.sp_size))
     _wrap_accelerator(accelerator, state)
@@ -192,6 +197,7 @@ def _prepare_data_loader(
 def detach(trainer_or_accelerator: Any) -> None:
     """Undo `attach`: restore the accelerator's methods and every prepared model's attention."""
     accelerator = getattr(trainer_or_accelerator, "accelerator", trainer_or_accelerator)
+    detach_memory_flags(accelerator)
     state = sp_state(accelerator)
     if state is None:
         return
