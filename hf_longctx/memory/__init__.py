@@ -48,9 +48,7 @@ class MemoryHandle:
 
 def memory_flags_enabled(config: Any) -> bool:
     """True when `config` (e.g. `hf_longctx.ParallelismConfig`) turns any memory flag on."""
-    return bool(
-        getattr(config, "tiled_loss", False) or getattr(config, "tiled_mlp", False) or getattr(config, "offload_activations", False)
-    )
+    return any(getattr(config, name, False) for name in ("tiled_loss", "tiled_mlp", "offload_activations"))
 
 
 def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:

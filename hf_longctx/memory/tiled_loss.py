@@ -131,7 +131,9 @@ class TiledLossHandle:
         ours = self.transform.apply(raw_last.float())
         theirs = logits.float()
         tol = 1e-4 if logits.dtype == torch.float32 else 2e-2
-        if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=tol, atol=tol * (1 + float(theirs.abs().max()))):
+        if ours.shape != theirs.shape or not torch.allclose(
+            ours, theirs, rtol=tol, atol=tol * (1 + float(theirs.abs().max()))
+        ):
             raise ValueError(
                 f"tiled_loss: {type(self.model).__name__}'s logits are not lm_head(hidden) with the scaling / "
                 f"soft-capping of its config ({self.transform}); set tiled_loss=False for this model."
@@ -243,7 +245,9 @@ def _fused_linear_cross_entropy(states, weight, bias, targets, transform: LogitT
     """Summed token cross-entropy: Liger's fused kernel on CUDA when installed, else `linear_cross_entropy_sum`."""
     liger = _compat.liger_fused_linear_cross_entropy() if states.is_cuda else None
     if liger is not None and transform.scale == 1.0 and transform.temperature == 1.0:
-        out = liger(states, weight, targets, bias, ignore_index=IGNORE_INDEX, reduction="sum", softcap=transform.softcap)
+        out = liger(
+            states, weight, targets, bias, ignore_index=IGNORE_INDEX, reduction="sum", softcap=transform.softcap
+        )
         return (out[0] if isinstance(out, tuple) else out).float()
     return linear_cross_entropy_sum(states, weight, bias, targets, transform)
 
@@ -291,7 +295,9 @@ def enable_tiled_loss(model: torch.nn.Module) -> TiledLossHandle:
     except Exception:
         handle.remove()
         raise
-    logger.info("hf_longctx: tiled_loss on %s (%d tokens per tile)", type(model).__name__, tile_tokens(head.out_features))
+    logger.info(
+        "hf_longctx: tiled_loss on %s (%d tokens per tile)", type(model).__name__, tile_tokens(head.out_features)
+    )
     return handle
 
 

@@ -17,6 +17,7 @@ class): its router's logits feed the load-balancing loss, which a per-tile call 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -107,6 +108,13 @@ def tiled_call(forward: Callable[..., Any], x: torch.Tensor, tiles: int, *args: 
     return torch.cat(outs, dim=-2)
 
 
+def _restore_forward(module: torch.nn.Module, own: Any) -> None:
+    if own is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = own
+
+
 class TiledMLPHandle:
     """Undo record of `enable_tiled_mlp`; `.remove()` restores every MLP's forward."""
 
@@ -149,7 +157,7 @@ def enable_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> TiledM
             return tiled_call(_original, x, n, *args, **kwargs)
 
         module.forward = forward
-        handle._undo.append(lambda m=module, o=own: m.__dict__.pop("forward") if o is None else setattr(m, "forward", o))
+        handle._undo.append(functools.partial(_restore_forward, module, own))
     for name in handle.skipped:
         logger.info("hf_longctx: tiled_mlp leaves %s untiled (mixture of experts: only shared experts are tiled)", name)
     logger.info("hf_longctx: tiled_mlp on %d MLP modules of %s", len(found), type(model).__name__)
