@@ -132,7 +132,7 @@ class TiledLossHandle:
         theirs = logits.float()
         tol = 1e-4 if logits.dtype == torch.float32 else 2e-2
         if ours.shape != theirs.shape or not torch.allclose(
-            ours, theirs, rtol=tol, atol=tol * (1 + float(theirs.abs().max()))
+            ours, theirs, rtol=tol, atol=tol * (1 + float(theirs.detach().abs().max()))
         ):
             raise ValueError(
                 f"tiled_loss: {type(self.model).__name__}'s logits are not lm_head(hidden) with the scaling / "
@@ -150,7 +150,7 @@ class TiledLossHandle:
                 return inner(*args, fused_lm_head=True, **loss_kwargs, **kwargs)
             return self._fused(inner, settings, args, kwargs, labels, shift_labels, num_items)
         keep = kwargs.get("logits_to_keep", 0)
-        if (labels is None and shift_labels is None) or not (isinstance(keep, int) and keep == 0):
+        if labels is None or not (isinstance(keep, int) and keep == 0):  # as the model: no labels, no loss
             return inner(*args, **{k: v for k, v in loss_kwargs.items() if v is not None}, **kwargs)
         kwargs.pop("logits_to_keep", None)
         return_dict = kwargs.pop("return_dict", None)
@@ -256,8 +256,8 @@ def enable_tiled_loss(model: torch.nn.Module) -> TiledLossHandle:
     """Make `model`'s training forward compute its loss in tiles (see the module docstring).
 
     Args:
-        model: a transformers causal LM (an `lm_head`-style output embedding and a backbone at
-            `model.base_model`) whose forward accepts `logits_to_keep`.
+        model: a transformers causal LM (a linear output embedding and a decoder backbone) whose
+            forward accepts `logits_to_keep`.
 
     Returns:
         A handle; `handle.remove()` restores the forward (an instance-level forward set by TRL
@@ -268,10 +268,10 @@ def enable_tiled_loss(model: torch.nn.Module) -> TiledLossHandle:
             `logits_to_keep` argument.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    backbone = getattr(model, "base_model", model)
-    if not isinstance(head, torch.nn.Linear) or backbone is model:
+    backbone = _backbone(model)
+    if not isinstance(head, torch.nn.Linear) or backbone is None:
         raise ValueError(
-            f"tiled_loss needs a causal LM with a linear lm_head and a backbone (model.base_model); "
+            f"tiled_loss needs a causal LM with a linear lm_head and a decoder backbone (get_decoder()); "
             f"{type(model).__name__} has neither; set tiled_loss=False."
         )
     if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
@@ -299,6 +299,13 @@ def enable_tiled_loss(model: torch.nn.Module) -> TiledLossHandle:
         "hf_longctx: tiled_loss on %s (%d tokens per tile)", type(model).__name__, tile_tokens(head.out_features)
     )
     return handle
+
+
+def _backbone(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose output is the final hidden state (`get_decoder()`, `base_model` or `.model`)."""
+    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None]
+    candidates += [getattr(model, "base_model", None), getattr(model, "model", None)]
+    return next((m for m in candidates if isinstance(m, torch.nn.Module) and m is not model), None)
 
 
 def _restore_forward(model: torch.nn.Module, own: Any) -> None:
