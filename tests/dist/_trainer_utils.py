@@ -149,10 +149,10 @@ def sft_dataset(kind: str, n: int, seed: int = 5):
 # ---- Trainer runs --------------------------------------------------------------------------------
 
 
-def _parallelism(sp: int):
+def _parallelism(sp: int, flags: dict[str, Any] | None = None):
     import hf_longctx
 
-    return hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
+    return hf_longctx.ParallelismConfig(sp_size=sp, **(flags or {})) if sp > 1 or flags else None
 
 
 def _logs(trainer: Any, keys: tuple[str, ...]) -> list[dict[str, float]]:
@@ -173,11 +173,15 @@ def run_trainer(
     eval_data: tuple[tuple[str, int], ...] = (),
     save_steps: int | None = None,
     resume_from: str | None = None,
+    flags: dict[str, Any] | None = None,
+    predict_data: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
     SGD runs without clipping (max_grad_norm=0: grad_norm is still logged), AdamW clips at 1.0.
     `epochs` set means an epoch-based run (max_steps unset). `resume_from` is a checkpoint directory.
+    `flags` are hf_longctx memory flags (`tiled_loss`, ...) set on the `ParallelismConfig`;
+    `predict_data` adds `trainer.predict` on that set (its `predictions` and `metrics`).
     """
     from transformers import Trainer, TrainingArguments
 
@@ -203,7 +207,7 @@ def run_trainer(
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
         remove_unused_columns=False,
-        parallelism_config=_parallelism(sp),
+        parallelism_config=_parallelism(sp, flags),
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset(*data), data_collator=collator)
     trainer.train(resume_from_checkpoint=resume_from)
@@ -218,6 +222,10 @@ def run_trainer(
     }
     # Keyed by the eval set's size: an odd size leaves a partial last batch.
     result["eval_loss"] = {n: trainer.evaluate(dataset(kind, n))["eval_loss"] for kind, n in eval_data}
+    if predict_data is not None:
+        predicted = trainer.predict(dataset(*predict_data))
+        result["predict"] = {"predictions": predicted.predictions, "loss": predicted.metrics["test_loss"]}
+    result["memory"] = memory_flags_active(model)
     # detach() gives the model back for single-process use: its own attention, no pre-hook.
     import hf_longctx.trainer
 
@@ -231,6 +239,18 @@ def run_trainer(
         k in vars(trainer.accelerator) for k in ("prepare", "prepare_data_loader", "gather_for_metrics")
     )
     return result
+
+
+def memory_flags_active(model: torch.nn.Module) -> dict[str, bool]:
+    """Which memory flags are applied to the tiny llama: the tiled-loss hook on lm_head, a tiled MLP
+    forward, checkpointing through the offloading checkpoint function."""
+    layer = model.model.layers[0]
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    return {
+        "tiled_loss": len(model.lm_head._forward_hooks) > 0,
+        "tiled_mlp": "forward" in vars(layer.mlp),
+        "offload_activations": getattr(getattr(func, "func", None), "__name__", "") == "offloaded_checkpoint",
+    }
 
 
 def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
@@ -293,13 +313,14 @@ def run_sft(
     eval_data: dict[str, tuple[str, int]] | None = None,
     steps: int = 4,
     epochs: float | None = None,
+    flags: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
 
     `doc_exact` switches the model to hf_longctx attention at SP=1 (one rank, no collectives), which keeps
     packed documents apart by construction: the packing reference. (transformers 5.24 sdpa does so too, but
     only while no attention_mask is passed; UPSTREAM.md §6.)
-    `eval_data` maps a name to an eval set, each evaluated after training.
+    `eval_data` maps a name to an eval set, each evaluated after training. `flags`: see `run_trainer`.
     """
     from trl import SFTConfig, SFTTrainer
 
@@ -329,7 +350,7 @@ def run_sft(
         packing=packing,
         max_length=64,
         completion_only_loss=completion_only,
-        parallelism_config=_parallelism(sp),
+        parallelism_config=_parallelism(sp, flags),
     )
     eval_sets = {name: sft_dataset(kind, n, seed=11) for name, (kind, n) in (eval_data or {}).items()}
     trainer = SFTTrainer(
@@ -344,6 +365,7 @@ def run_sft(
         "logs": _logs(trainer, SFT_KEYS),
         "global_step": trainer.state.global_step,
         "attn": model.config._attn_implementation,
+        "memory": memory_flags_active(model),
         **forwards.take(),
     }
     # One evaluate() per set: TRL logs its own eval metrics without the set's name.
