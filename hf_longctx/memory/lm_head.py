@@ -162,6 +162,30 @@ def linear_cross_entropy_sum(
     return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, transform, tile)
 
 
+class _Attach(torch.autograd.Function):
+    """`x`, with a zero-gradient edge to `anchor` (see `attach`)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+
+
+def attach(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """`x` made to depend on `anchor` with a zero gradient.
+
+    DeepSpeed ZeRO-3 gathers a module's parameters for backward when the backward reaches that
+    module's *output*; a loss computed from `lm_head.weight` directly would return a full-size
+    weight gradient while the weight is still partitioned. Anchoring the loss to the module's own
+    (one-position) output makes the backward pass through it, so the weight is gathered in time.
+    """
+    return _Attach.apply(x, anchor) if anchor.requires_grad else x
+
+
 STAT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..data.sharding import IGNORE_INDEX
-from .lm_head import LogitTransform, gathered, linear_cross_entropy_sum, linear_token_stats, tile_tokens
+from .lm_head import LogitTransform, attach, gathered, linear_cross_entropy_sum, linear_token_stats, tile_tokens
 
 logger = logging.getLogger(__name__)
 LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch")
@@ -125,7 +125,10 @@ class TiledLossHandle:
                 "(get_output_embeddings()); set tiled_loss=False for this model."
             )
         self._check_transform(request["raw_last"], out.logits)
-        return out, request["result"]
+        result = request["result"]
+        if isinstance(result, torch.Tensor):
+            return out, attach(result, out.logits)
+        return out, {k: attach(v, out.logits) if k in ("log_probs", "entropy") else v for k, v in result.items()}
 
     def _check_transform(self, raw_last: torch.Tensor, logits: torch.Tensor) -> None:
         ours = self.transform.apply(raw_last.float())

@@ -39,7 +39,7 @@ def _collate(features):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def _train(rank: int, world_size: int, out: str, stages: list[int | None]) -> dict:
+def _train(rank: int, world_size: int, out: str, stages: list[int | None], flags: dict | None = None) -> dict:
     import os
 
     from accelerate import PartialState
@@ -79,7 +79,9 @@ def _train(rank: int, world_size: int, out: str, stages: list[int | None]) -> di
             remove_unused_columns=False,
             seed=1,
             disable_tqdm=True,
-            parallelism_config=hf_longctx.ParallelismConfig(sp_size=world_size) if world_size > 1 else None,
+            parallelism_config=hf_longctx.ParallelismConfig(sp_size=world_size, **(flags or {}))
+            if world_size > 1
+            else None,
         )
         trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=_dataset(), data_collator=_collate)
         trainer.train()
