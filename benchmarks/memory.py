@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -151,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(Path(args.from_json).read_text())
         prefix = Path(args.out_prefix or str(args.from_json).removesuffix(".json"))
     else:
-        log_dir = prefix.parent / "logs" / prefix.name
-        log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
+        print(f"logs in {log_dir}", flush=True)
         t0 = time.perf_counter()
         load = os.getloadavg()[0]
         records = run_all(args, log_dir)

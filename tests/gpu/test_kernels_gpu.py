@@ -1,6 +1,6 @@
 """GPU-only kernel paths of the Ulysses wrapper (skipped without CUDA; run through the device tool).
 
-At SP=1 on one GPU the wrapper still routes every layer through `kernels.kernel_inputs`, so the flash varlen
+At SP=1 on one GPU the wrapper still routes every layer through `kernels.attend`, so the flash varlen
 `cu_seq_lens` and the flex `BlockMask` built from global positions are checked against a per-document
 reference: each document run alone through the plain model.
 """
