@@ -26,9 +26,12 @@ def run_numbers(record: dict[str, Any]) -> dict[str, Any] | None:
         return None
     ranks = record["result"]["ranks"]
     warmup = record["spec"]["warmup"]
-    per_step = [max(r["steps"][i]["step_s"] for r in ranks) for i in range(warmup, len(ranks[0]["steps"]))]
+    measured = range(warmup, len(ranks[0]["steps"]))
+    per_step = [max(r["steps"][i]["step_s"] for r in ranks) for i in measured]
+    cpu = [max(r["steps"][i].get("cpu_s", 0.0) for r in ranks) for i in measured]
     return {
         "step_s": statistics.median(per_step) if per_step else None,
+        "cpu_s": statistics.median(cpu) if cpu and all(cpu) else None,
         "peak_gib": max(r["process_peak_bytes"] for r in ranks) / GiB,
         "first_loss": ranks[0]["first_loss"],
         "reference_loss": record["result"].get("document_reference_loss"),
@@ -66,7 +69,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         elif numbers is not None:
             cells.setdefault((job["section"], job["trainer"], job["variant"]), []).append(numbers)
     table = {
-        key: {k: _median([r[k] for r in runs]) for k in ("step_s", "peak_gib", "first_loss", "reference_loss")}
+        key: {k: _median([r[k] for r in runs]) for k in ("step_s", "cpu_s", "peak_gib", "first_loss", "reference_loss")}
         | {"runs": len(runs)}
         for key, runs in cells.items()
     }
@@ -79,12 +82,14 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         ratios[f"{trainer}_peak_flags_over_upstream"] = _ratio(
             get("flags", trainer, "flags", "peak_gib"), get("flags", trainer, "upstream", "peak_gib")
         )
-        ratios[f"{trainer}_time_flags_over_off"] = _ratio(
-            get("flags", trainer, "flags", "step_s"), get("flags", trainer, "off", "step_s")
+        for key, name in (("step_s", "time"), ("cpu_s", "cpu_time")):
+            ratios[f"{trainer}_{name}_flags_over_off"] = _ratio(
+                get("flags", trainer, "flags", key), get("flags", trainer, "off", key)
+            )
+    for key, name in (("step_s", "time"), ("cpu_s", "cpu_time")):
+        ratios[f"packed_{name}_over_upstream"] = _ratio(
+            get("packed", "trainer", "off", key), get("packed", "trainer", "upstream", key)
         )
-    ratios["packed_time_over_upstream"] = _ratio(
-        get("packed", "trainer", "off", "step_s"), get("packed", "trainer", "upstream", "step_s")
-    )
     ratios["packed_peak_over_upstream"] = _ratio(
         get("packed", "trainer", "off", "peak_gib"), get("packed", "trainer", "upstream", "peak_gib")
     )
@@ -101,7 +106,7 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 
 
 def _verdict(name: str, value: float | None) -> str:
-    key = name.removeprefix("trainer_").removeprefix("sft_")
+    key = name.removeprefix("trainer_").removeprefix("sft_").replace("cpu_time", "time")
     target = TARGETS[key]
     if value is None:
         return "not measured"
@@ -123,15 +128,16 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         "",
         f"## Flags on vs off vs upstream: S = {args['seq_len']}, vocabulary 32,768",
         "",
-        "| trainer | variant | peak GiB / rank | step s | runs |",
-        "|---|---|---:|---:|---:|",
+        "| trainer | variant | peak GiB / rank | step s (wall) | step s (CPU) | runs |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     cells = summary["cells"]
     for trainer in ("trainer", "sft"):
         for variant in ("off", "flags", "upstream"):
             c = cells.get(("flags", trainer, variant))
             if c:
-                lines.append(f"| {trainer} | {variant} | {_f(c['peak_gib'])} | {_f(c['step_s'])} | {c['runs']} |")
+                times = f"{_f(c['step_s'])} | {_f(c['cpu_s'])}"
+                lines.append(f"| {trainer} | {variant} | {_f(c['peak_gib'])} | {times} | {c['runs']} |")
     lines += [
         "",
         f"## Packed rows: {args['seq_len'] // args['doc_len']} documents x {args['doc_len']} tokens, vocabulary 1,024",
@@ -146,8 +152,8 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         if c:
             name = "hf_longctx" if variant == "off" else variant
             lines.append(
-                f"| {name} | {_f(c['peak_gib'])} | {_f(c['step_s'])} | {_f(c['first_loss'], '.6f')} | "
-                f"{_f(c['reference_loss'], '.6f')} |"
+                f"| {name} | {_f(c['peak_gib'])} | {_f(c['step_s'])} | {_f(c['cpu_s'])} | "
+                f"{_f(c['first_loss'], '.6f')} | {_f(c['reference_loss'], '.6f')} |"
             )
     lines += [
         "",
@@ -162,6 +168,7 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"Longest: upstream {summary['longest']['upstream']}, hf_longctx with flags {summary['longest']['flags']}",
     ]
     lines += [f"(hf_longctx tried up to {args['max_seq']}).", "", "## Targets", ""]
+    lines += ["Time ratios are given on wall time and on process CPU time (the robust one on a shared machine).", ""]
     for name, value in summary["ratios"].items():
         lines.append(f"- {name}: {_verdict(name, value)}")
     if summary["failures"]:

@@ -8,7 +8,8 @@
 every run (the upstream path needs DeepSpeed). `spec["data"]` is "random" (one row of S random tokens) or
 "packed" (one row of S tokens holding documents of `doc_len` tokens: positions restart at 0).
 
-Per optimizer step (after `warmup` steps) it records the wall time and the resident-memory high-water mark
+Per optimizer step (after `warmup` steps) it records the wall time, the process CPU time (less sensitive to
+other jobs on a shared machine: time spent descheduled is not counted) and the resident-memory high-water mark
 (`VmHWM`, reset at each step's start, see `benchmarks.worker.StepMemory`); the process peak covers the whole
 run. The first step's loss is kept, and for packed rows rank 0 also computes the per-document reference loss
 (each document alone through the same initial weights, no SP).
@@ -96,11 +97,11 @@ def _recorder(memory: StepMemory):
 
         def on_step_begin(self, args, state, control, **kwargs):
             memory.begin()
-            self._t0 = time.perf_counter()
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            t1 = time.perf_counter()
-            self.steps.append({"step_s": t1 - self._t0, "peak_bytes": memory.end()})
+            t1, c1 = time.perf_counter(), time.process_time()
+            self.steps.append({"step_s": t1 - self._t0, "cpu_s": c1 - self._c0, "peak_bytes": memory.end()})
 
     return Recorder()
 

@@ -39,8 +39,8 @@ class ParallelismConfig(_AccelerateParallelismConfig):
     tiled_mlp: bool | int = field(
         default=False,
         metadata={
-            "help": "Run each dense MLP over the sequence in tiles, recomputed per tile in backward: True = "
-            "ceil(tokens / hidden_size) tiles, an integer = that many tiles. MoE blocks are skipped (logged)."
+            "help": "Run each dense MLP over the sequence in tiles, recomputed per tile in backward: True = tiles of "
+            "max(hidden_size, 4096) tokens, an integer = that many tiles. MoE routed experts stay untiled (logged)."
         },
     )
     offload_activations: bool = field(

@@ -8,7 +8,7 @@ model it prepares, with or without SP). Per rank holding `n` tokens of hidden si
   `lm_head.TILE_LOGITS` (2**24) float32 logits plus about two more buffers of that size, and keeps
   `[n, h]` hidden-state gradients and a `[V, h]` float32 weight gradient from forward to backward.
 - `tiled_mlp`: an MLP keeps only its input `[n, h]`; backward recomputes `[n / tiles, I]`
-  intermediates one tile at a time (`tiles = ceil(n / h)` by default).
+  intermediates one tile at a time (`tiles = ceil(n / max(h, 4096))` by default).
 - `offload_activations`: every layer is checkpointed and its saved input (`[n, h]` per layer) lives
   in host memory; the accelerator holds at most two layers' inputs (the one recomputed and the one
   prefetched) plus one layer's recompute.

@@ -228,7 +228,7 @@ def test_tiled_mlp_finds_dense_and_shared_experts_and_logs_moe_blocks(caplog):
     assert sum("DeepseekV3MoE" in r.message for r in caplog.records) == 1
     found, skipped = find_tiled_mlps(tiny_model("gpt_oss", attn="eager"))
     assert found == [] and skipped == ["GptOssMLP", "GptOssMLP"]
-    assert auto_tiles(8192, 256) == 32 and auto_tiles(10, 256) == 1
+    assert auto_tiles(8192, 256) == 2 and auto_tiles(131072, 4096) == 32 and auto_tiles(10, 256) == 1
 
 
 @pytest.mark.parametrize(
