@@ -174,8 +174,7 @@ class TiledLossHandle:
     def _train(self, inner, args, kwargs, labels, shift_labels, num_items) -> Any:
         def compute(hidden, weight, bias):
             states, targets = _flat_targets(hidden, labels, shift_labels)
-            if isinstance(weight, _DTensor()):
-                weight, bias = weight.full_tensor(), bias.full_tensor() if bias is not None else None
+            weight, bias = _full(weight), _full(bias)
             with gathered(weight, bias):
                 total = _fused_linear_cross_entropy(states, weight, bias, targets, self.transform)
             return _normalise(total, targets, num_items)
@@ -212,8 +211,7 @@ class TiledLossHandle:
             else:
                 targets = shift_labels
             targets_2d["labels"] = targets = targets.to(hidden.device)
-            if isinstance(weight, _DTensor()):
-                weight, bias = weight.full_tensor(), bias.full_tensor() if bias is not None else None
+            weight, bias = _full(weight), _full(bias)
             fp32 = settings["cast_lm_head_to_fp32"]
             ctx = torch.autocast(hidden.device.type, enabled=False) if fp32 else nullcontext()
             with ctx, gathered(weight, bias):
@@ -238,10 +236,11 @@ class TiledLossHandle:
         return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux, **stats)
 
 
-def _DTensor() -> type:
+def _full(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded DTensor parameter (FSDP2 outside its module's forward) as its full tensor, else unchanged."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 def _fused_linear_cross_entropy(states, weight, bias, targets, transform: LogitTransform) -> torch.Tensor:
