@@ -104,15 +104,21 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             z = _tile_logits(h, weight, bias, transform)  # [n, vocab]
             valid = y != IGNORE_INDEX
             target = y.clamp(min=0).unsqueeze(1)
-            lse = torch.logsumexp(z, dim=-1)
-            total += torch.where(valid, lse - z.gather(1, target).squeeze(1), 0.0).sum()
+            dz_draw = transform.derivative(z) if need_h or need_w or need_b else 1.0
+            # One pass of exp, in place: e = exp(z - max), lse = max + log(sum e), softmax = e / sum e.
+            z_target = z.gather(1, target)
+            peak = z.amax(dim=-1, keepdim=True)
+            e = z.sub_(peak).exp_()
+            sum_e = e.sum(dim=-1, keepdim=True)
+            lse = peak + sum_e.log()
+            total += torch.where(valid, (lse - z_target).squeeze(1), 0.0).sum()
             if not (need_h or need_w or need_b):
                 continue
-            dz_draw = transform.derivative(z)
-            # d CE / d z = softmax(z) - onehot(y), zero on ignored tokens; computed in place on z.
-            grad_raw = z.sub_(lse.unsqueeze(1)).exp_()
+            # d CE / d z = softmax(z) - onehot(y), zero on ignored tokens; computed in place.
+            grad_raw = e.div_(sum_e)
             grad_raw.scatter_add_(1, target, torch.full(target.shape, -1.0, device=z.device))
-            grad_raw.mul_(valid.unsqueeze(1))
+            if not bool(valid.all()):
+                grad_raw[~valid] = 0.0
             if not (isinstance(dz_draw, float) and dz_draw == 1.0):
                 grad_raw.mul_(dz_draw)
             g = grad_raw.to(h.dtype)
@@ -204,17 +210,19 @@ class _LinearTokenStats(torch.autograd.Function):
         target = labels.clamp(min=0)
         for part in _tiles(n, tile):
             z = _tile_logits(hidden[part], weight, bias, transform)
-            lse = torch.logsumexp(z, dim=-1)
-            log_z[part] = lse
-            log_probs[part] = z.gather(1, target[part].unsqueeze(1)).squeeze(1) - lse
             if mean is not None:
                 mean[part] = z.mean(-1)
             if top1 is not None:
                 top1[part] = z.argmax(-1) == target[part]  # first maximum wins, like TRL's kernel
-            if lssp is not None:
-                lssp[part] = torch.logsumexp(2 * z, dim=-1) - 2 * lse
-            p = (z - lse.unsqueeze(1)).exp_()
-            entropy[part] = lse - (p * z).sum(-1)
+            peak = z.amax(dim=-1)
+            e = (z - peak.unsqueeze(1)).exp_()  # the one exp pass: e = exp(z - max)
+            sum_e = e.sum(-1)
+            lse = peak + sum_e.log()
+            log_z[part] = lse
+            log_probs[part] = z.gather(1, target[part].unsqueeze(1)).squeeze(1) - lse
+            if lssp is not None:  # log sum p^2 = log sum e^2 - 2 log sum e
+                lssp[part] = torch.linalg.vecdot(e, e).log() - 2 * sum_e.log()
+            entropy[part] = lse - torch.linalg.vecdot(e, z) / sum_e  # H = lse - sum p z
         ctx.save_for_backward(hidden, weight, bias, labels, log_z, entropy)
         ctx.transform, ctx.tile = transform, tile
         valid = labels != IGNORE_INDEX
@@ -230,6 +238,8 @@ class _LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent, *_):
+        if grad_lp is None and grad_ent is None:
+            return (None,) * 7
         hidden, weight, bias, labels, log_z, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
@@ -241,16 +251,23 @@ class _LinearTokenStats(torch.autograd.Function):
             for part in _tiles(hidden.shape[0], ctx.tile):
                 h = hidden[part]
                 z = _tile_logits(h, weight, bias, ctx.transform)
-                p = (z - log_z[part].unsqueeze(1)).exp()
-                grad_z = torch.zeros_like(z)
-                if grad_lp is not None:  # d log p_y / d z_j = 1[j = y] - p_j
-                    g = torch.where(valid[part], grad_lp[part].float(), 0.0).unsqueeze(1)
-                    grad_z.sub_(p * g).scatter_add_(1, target[part], g)
-                if grad_ent is not None:  # d H / d z_j = -p_j (log p_j + H)
-                    g = torch.where(valid[part], grad_ent[part].float(), 0.0).unsqueeze(1)
-                    log_p = z - log_z[part].unsqueeze(1)
-                    grad_z.sub_(p * (log_p + entropy[part].unsqueeze(1)) * g)
-                grad_raw = grad_z.mul_(ctx.transform.derivative(z))
+                dz_draw = ctx.transform.derivative(z)
+                lse = log_z[part].unsqueeze(1)
+                p = (z - lse).exp_()
+                # d log p_y / d z_j = 1[j = y] - p_j;  d H / d z_j = -p_j (log p_j + H). Together, in place on z:
+                # grad_z = -p * (g_lp + g_ent * (z - lse + H)), then + g_lp at the label.
+                g_lp = torch.where(valid[part], grad_lp[part].float(), 0.0) if grad_lp is not None else None
+                g_ent = torch.where(valid[part], grad_ent[part].float(), 0.0) if grad_ent is not None else None
+                if g_ent is not None:
+                    grad_z = z.sub_(lse - entropy[part].unsqueeze(1)).mul_(g_ent.unsqueeze(1))
+                    if g_lp is not None:
+                        grad_z.add_(g_lp.unsqueeze(1))
+                else:
+                    grad_z = z.copy_(g_lp.unsqueeze(1).expand_as(z))
+                grad_z.mul_(p).neg_()
+                if g_lp is not None:
+                    grad_z.scatter_add_(1, target[part], g_lp.unsqueeze(1))
+                grad_raw = grad_z.mul_(dz_draw) if not isinstance(dz_draw, float) or dz_draw != 1.0 else grad_z
                 if need_h:
                     grad_h[part] = grad_raw.to(h.dtype) @ weight.to(h.dtype)
                 if need_w:
