@@ -128,7 +128,10 @@ class TiledLossHandle:
         result = request["result"]
         if isinstance(result, torch.Tensor):
             return out, attach(result, out.logits)
-        return out, {k: attach(v, out.logits) if k in ("log_probs", "entropy") else v for k, v in result.items()}
+        differentiable = ("log_probs", "entropy")
+        return out, {
+            k: attach(v, out.logits) if k in differentiable and v is not None else v for k, v in result.items()
+        }
 
     def _check_transform(self, raw_last: torch.Tensor, logits: torch.Tensor) -> None:
         ours = self.transform.apply(raw_last.float())

@@ -250,3 +250,24 @@ def test_flags_on_the_config():
     config = ParallelismConfig(sp_size=2, tiled_loss=True, tiled_mlp=8, offload_activations=True)
     assert (config.tiled_loss, config.tiled_mlp, config.offload_activations) == (True, 8, True)
     assert config.memory_enabled and not ParallelismConfig().memory_enabled
+
+
+def test_fused_head_defers_to_trl_when_its_settings_are_unreadable(monkeypatch):
+    import trl.trainer.utils as trl_utils
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_longctx import _compat
+
+    model = tiny_model("llama")
+    add_fused_lm_head(model, cast_lm_head_to_fp32=True)
+    assert _compat.trl_fused_head_settings(model.forward)["cast_lm_head_to_fp32"] is True
+    batch = _batch(shift=False)
+    with apply_memory_flags(model, SimpleNamespace(tiled_loss=True)):
+        ours = model(**batch, fused_lm_head=True)  # our tiles, float32 head as TRL was told
+        calls = []
+        original = trl_utils._ChunkedLogProbFunction.apply
+        monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda *a: calls.append(1) or original(*a))
+        monkeypatch.setattr(_compat, "trl_fused_head_settings", lambda forward: None)
+        theirs = model(**batch, fused_lm_head=True)
+    assert calls == [1]
+    torch.testing.assert_close(ours.log_probs, theirs.log_probs, rtol=1e-5, atol=1e-6)
