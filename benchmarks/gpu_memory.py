@@ -75,6 +75,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments
 
     import hf_longctx
+    from hf_longctx.memory.offload import offloaded_checkpoint
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -145,6 +146,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(model=model, args=training, train_dataset=data, data_collator=collate, callbacks=[Timer()])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    layer = model.model.layers[0]
+    flags_active = {
+        "tiled_loss": len(model.lm_head._forward_hooks) > 0,
+        "tiled_mlp": "forward" in vars(layer.mlp),
+        "offload_activations": getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
+        is offloaded_checkpoint,
+    }
+    if not all(flags_active.values()):
+        raise RuntimeError(f"memory flags not applied: {flags_active}")
     return {
         "seq_len": args.seq_len,
         "steps": times,
@@ -234,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_s = None
     if throughput["status"] == "ok" and len(throughput["steps"]) > 1:
         tokens_per_s = args.throughput_length / statistics.median(throughput["steps"][1:])
-    print(f"\nLlama-3.1-8B shape ({args.shape}), one GPU, flags {sorted(FLAGS)}, ZeRO-3 offload, optim {args.optim}")
+    print(f"\n{args.shape} shape, one GPU, flags {sorted(FLAGS)}, ZeRO-3 offload, optim {args.optim}")
     print(f"{'S':>9} {'status':>8} {'step s':>8} {'GPU peak GiB':>13} {'host peak GiB':>14}")
     for r in records:
         step = f"{r['steps'][-1]:.1f}" if r.get("steps") else "-"
