@@ -9,8 +9,9 @@ gloo, fp32, sdpa, one thread per process), with a timeout; a failed run is recor
 Sections (tiny Llama: hidden 256, 2 layers, 8 query / 2 key-value heads of 32, MLP 1024):
 
 1. `flags`: one row of 16,384 random tokens, vocabulary 32,768, SP=2, through the stock `Trainer` and TRL's
-   `SFTTrainer`: hf_longctx without flags, hf_longctx with all three flags, upstream. Repeats alternate the
-   order of the three (A B C, C B A, ...). Peak resident memory per rank (the process high-water mark, worst
+   `SFTTrainer`: hf_longctx without flags ("off"), with activation checkpointing only ("ckpt": the on-device
+   version of what `offload_activations` does), with all three flags, and upstream. Repeats reverse the order
+   of the variants (A B C D, D C B A, ...). Peak resident memory per rank (the process high-water mark, worst
    rank) and step time (median over measured steps and repeats).
 2. `packed`: rows of 16 documents x 1,024 tokens (positions restart), vocabulary 1,024 (so attention, not the
    loss, dominates), `Trainer`, hf_longctx (per-document attention, no flags) vs upstream; the first step's
@@ -43,13 +44,21 @@ RESULTS = ROOT / "benchmarks" / "results"
 K = 1024
 MODEL = {"arch": "llama", "hidden": 256, "intermediate": 1024, "layers": 2, "heads": 8, "kv_heads": 2, "head_dim": 32}
 FLAGS = {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True}
-VARIANTS = {"off": ("hf_longctx", {}), "flags": ("hf_longctx", FLAGS), "upstream": ("upstream", {})}
+# variant -> (implementation, memory flags, activation checkpointing)
+VARIANTS = {
+    "off": ("hf_longctx", {}, False),
+    "ckpt": ("hf_longctx", {}, True),
+    "flags": ("hf_longctx", FLAGS, False),
+    "upstream": ("upstream", {}, False),
+}
+SECTIONS = ("flags", "packed", "longest")
 
 
 def spec(variant: str, trainer: str, seq_len: int, vocab: int, steps: int, warmup: int, **extra: Any) -> dict:
-    impl, flags = VARIANTS[variant]
+    impl, flags, checkpointing = VARIANTS[variant]
     model = dict(MODEL, vocab=vocab, max_positions=max(seq_len, 4096))
-    base = {"variant": variant, "impl": impl, "flags": flags, "trainer": trainer, "sp": 2, "seq_len": seq_len}
+    base = {"variant": variant, "impl": impl, "flags": flags, "checkpointing": checkpointing, "trainer": trainer}
+    base.update(sp=2, seq_len=seq_len)
     base.update(warmup=warmup, steps=steps, attn="sdpa", dtype="fp32", data="random", threads=1, model=model)
     return {**base, **extra}
 
@@ -103,14 +112,16 @@ def run_all(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
 
     seq, steps, warmup = args.seq_len, args.steps, 1
     order = list(VARIANTS)
-    for rep in range(args.repeats):  # section 1: alternate the order of the three variants every repeat
-        for trainer in ("trainer", "sft"):
+    for rep in range(args.repeats if "flags" in args.sections else 0):  # section 1: order reversed every repeat
+        for trainer in args.trainers:
             for variant in order if rep % 2 == 0 else order[::-1]:
                 go(dict(spec(variant, trainer, seq, 32 * K, steps, warmup), section="flags", rep=rep))
-    for rep in range(args.repeats):  # section 2
+    for rep in range(args.repeats if "packed" in args.sections else 0):  # section 2
         for variant in ("off", "upstream") if rep % 2 == 0 else ("upstream", "off"):
             extra = {"data": "packed", "doc_len": args.doc_len}
             go(dict(spec(variant, "trainer", seq, K, steps, warmup, **extra), section="packed", rep=rep))
+    if "longest" not in args.sections:
+        return records
     # section 3: one optimizer step per length, no warm-up (a step that fits once fits)
     longest_up = 0
     for length in args.ladder:
@@ -140,10 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ladder", default="4096,6144,8192,12288,16384", help="upstream lengths (section 3)")
     parser.add_argument("--max-seq", type=int, default=64 * K, help="longest hf_longctx length tried (section 3)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of flags,packed,longest")
+    parser.add_argument("--trainers", default="trainer,sft", help="section 1: trainer, sft or both")
     parser.add_argument("--from-json", help="re-render the tables and plots of a saved run")
     parser.add_argument("--out-prefix", help="results path prefix (default benchmarks/results/<date>-memory)")
     args = parser.parse_args(argv)
     args.ladder = [int(x) for x in str(args.ladder).split(",")]
+    args.sections = [x for x in args.sections.split(",") if x]
+    args.trainers = [x for x in args.trainers.split(",") if x]
+    unknown = sorted(set(args.sections) - set(SECTIONS)) + sorted(set(args.trainers) - {"trainer", "sft"})
+    if unknown:
+        parser.error(f"unknown sections / trainers: {unknown}")
     if args.quick:
         args.seq_len, args.doc_len, args.repeats, args.steps = 2 * K, 256, 1, 1
         args.ladder, args.max_seq = [1024, 2048], 8 * K

@@ -147,6 +147,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         seed=0,
         disable_tqdm=True,
+        activation_checkpointing=bool(spec.get("checkpointing")),
         parallelism_config=parallelism,
     )
     packed = spec["data"] == "packed"
