@@ -139,22 +139,22 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
             c = cells.get(("flags", trainer, variant))
             if c:
                 times = f"{_f(c['step_s'])} | {_f(c['cpu_s'])}"
-                lines.append(f"| {trainer} | {variant} | {_f(c['peak_gib'])} | {times} | {c['runs']} |")
+                lines.append(f"| {trainer} | {variant} | {_f(c['peak_gib'], '.3f')} | {times} | {c['runs']} |")
     lines += [
         "",
         f"## Packed rows: {args['seq_len'] // args['doc_len']} documents x {args['doc_len']} tokens, vocabulary 1,024",
         "",
     ]
     lines += [
-        "| variant | peak GiB / rank | step s | first-step loss | per-document reference loss |",
-        "|---|---:|---:|---:|---:|",
+        "| variant | peak GiB / rank | step s (wall) | step s (CPU) | first-step loss | per-document reference loss |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for variant in ("off", "upstream"):
         c = cells.get(("packed", "trainer", variant))
         if c:
             name = "hf_longctx" if variant == "off" else variant
             lines.append(
-                f"| {name} | {_f(c['peak_gib'])} | {_f(c['step_s'])} | {_f(c['cpu_s'])} | "
+                f"| {name} | {_f(c['peak_gib'], '.3f')} | {_f(c['step_s'])} | {_f(c['cpu_s'])} | "
                 f"{_f(c['first_loss'], '.6f')} | {_f(c['reference_loss'], '.6f')} |"
             )
     lines += [
@@ -164,7 +164,9 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
     ]
     lines += ["| variant | S | peak GiB / rank | fits |", "|---|---:|---:|---|"]
     for r in summary["ladder"]:
-        lines.append(f"| {r['variant']} | {r['seq_len']} | {_f(r['peak_gib'])} | {'yes' if r['fits'] else 'no'} |")
+        lines.append(
+            f"| {r['variant']} | {r['seq_len']} | {_f(r['peak_gib'], '.3f')} | {'yes' if r['fits'] else 'no'} |"
+        )
     lines += [
         "",
         f"Longest: upstream {summary['longest']['upstream']}, hf_longctx with flags {summary['longest']['flags']}",
