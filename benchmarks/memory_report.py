@@ -140,41 +140,43 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
             if c:
                 times = f"{_f(c['step_s'])} | {_f(c['cpu_s'])}"
                 lines.append(f"| {trainer} | {variant} | {_f(c['peak_gib'], '.3f')} | {times} | {c['runs']} |")
-    lines += [
-        "",
-        f"## Packed rows: {args['seq_len'] // args['doc_len']} documents x {args['doc_len']} tokens, vocabulary 1,024",
-        "",
-    ]
-    lines += [
-        "| variant | peak GiB / rank | step s (wall) | step s (CPU) | first-step loss | per-document reference loss |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for variant in ("off", "upstream"):
-        c = cells.get(("packed", "trainer", variant))
+    packed = [(v, cells[("packed", "trainer", v)]) for v in ("off", "upstream") if ("packed", "trainer", v) in cells]
+    if packed:
+        lines += [
+            "",
+            f"## Packed rows: {args['seq_len'] // args['doc_len']} documents x {args['doc_len']} tokens, "
+            "vocabulary 1,024",
+            "",
+            "| variant | peak GiB / rank | step s (wall) | step s (CPU) | first-step loss "
+            "| per-document reference loss |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+    for variant, c in packed:
         if c:
             name = "hf_longctx" if variant == "off" else variant
             lines.append(
                 f"| {name} | {_f(c['peak_gib'], '.3f')} | {_f(c['step_s'])} | {_f(c['cpu_s'])} | "
                 f"{_f(c['first_loss'], '.6f')} | {_f(c['reference_loss'], '.6f')} |"
             )
-    lines += [
-        "",
-        f"## Longest row that trains one step within {args['budget_gib']} GiB per rank (vocabulary 32,768)",
-        "",
-    ]
-    lines += ["| variant | S | peak GiB / rank | fits |", "|---|---:|---:|---|"]
-    for r in summary["ladder"]:
-        lines.append(
-            f"| {r['variant']} | {r['seq_len']} | {_f(r['peak_gib'], '.3f')} | {'yes' if r['fits'] else 'no'} |"
-        )
-    lines += [
-        "",
-        f"Longest: upstream {summary['longest']['upstream']}, hf_longctx with flags {summary['longest']['flags']}",
-    ]
-    lines += [f"(hf_longctx tried up to {args['max_seq']}).", "", "## Targets", ""]
+    if summary["ladder"]:
+        lines += [
+            "",
+            f"## Longest row that trains one step within {args['budget_gib']} GiB per rank (vocabulary 32,768)",
+            "",
+            "| variant | S | peak GiB / rank | fits |",
+            "|---|---:|---:|---|",
+        ]
+        for r in summary["ladder"]:
+            fits = "yes" if r["fits"] else "no"
+            lines.append(f"| {r['variant']} | {r['seq_len']} | {_f(r['peak_gib'], '.3f')} | {fits} |")
+        longest = summary["longest"]
+        lines += ["", f"Longest: upstream {longest['upstream']}, hf_longctx with flags {longest['flags']}"]
+        lines.append(f"(hf_longctx tried up to {args['max_seq']}).")
+    lines += ["", "## Targets", ""]
     lines += ["Time ratios are given on wall time and on process CPU time (the robust one on a shared machine).", ""]
     for name, value in summary["ratios"].items():
-        lines.append(f"- {name}: {_verdict(name, value)}")
+        if value is not None:
+            lines.append(f"- {name}: {_verdict(name, value)}")
     if summary["failures"]:
         lines += ["", "Failed runs: " + "; ".join(summary["failures"])]
     return "\n".join(lines) + "\n"
@@ -213,6 +215,8 @@ def plot(summary: dict[str, Any], prefix: str) -> list[str]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
+    if not summary["ladder"]:
+        return paths
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant, color in (("upstream", "tab:red"), ("flags", "tab:green")):
         rows = [r for r in summary["ladder"] if r["variant"] == variant and r["peak_gib"] is not None]
