@@ -111,3 +111,38 @@ def untie_optimizer_steps(optimizer: Any) -> int:
                 untied += 1
             seen.add(id(step))
     return untied
+
+
+# TRL's `add_fused_lm_head` (trl>=1.16) replaces `model.forward` by a closure `_fused_forward`
+# whose settings are not stored anywhere else; `tiled_loss` reads them (read-only) to reproduce
+# its outputs exactly. Unknown layouts return None and TRL's own path runs unchanged.
+TRL_FUSED_SETTINGS = ("temperature", "outputs", "cast_lm_head_to_fp32", "logit_scale", "final_logit_softcapping")
+
+
+def trl_fused_head_settings(forward: Callable[..., Any]) -> dict[str, Any] | None:
+    """The settings TRL's fused LM head was added with, read from its forward's closure, or None."""
+    fn = getattr(forward, "__func__", forward)
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or closure is None or code.co_name != "_fused_forward":
+        return None
+    cells = dict(zip(code.co_freevars, closure, strict=True))
+    try:
+        return {name: cells[name].cell_contents for name in TRL_FUSED_SETTINGS}
+    except (KeyError, ValueError):
+        return None
+
+
+def trl_fused_head_uses_triton(device: torch.device) -> bool:
+    """True where TRL's fused LM head runs its Triton kernel (it tiles the vocabulary itself)."""
+    from transformers.utils import is_triton_available
+
+    return device.type in ("cuda", "xpu") and is_triton_available()
+
+
+def liger_fused_linear_cross_entropy() -> Callable[..., Any] | None:
+    """Liger's functional fused linear cross-entropy when liger-kernel is installed, else None."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as fn
+    except ImportError:
+        return None
+    return fn

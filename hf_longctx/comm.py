@@ -150,12 +150,21 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, dim: i
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum `x` over `group` out of place and without autograd; `None` returns a copy of `x`."""
+    return _all_reduce(x, group, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Elementwise maximum of `x` over `group`, out of place and without autograd."""
+    return _all_reduce(x, group, dist.ReduceOp.MAX)
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> torch.Tensor:
     out = _to_group(x.detach().clone(), group)
     if not _solo(group):
         ws = dist.get_world_size(group)
         # Ring all-reduce volume.
         with timed_collective("all_reduce", out, 2 * (ws - 1) / ws), collective_failure("all_reduce", group):
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(out, op=op, group=group)
     return out.to(x.device)
 
 

@@ -46,7 +46,30 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         default="zigzag", metadata={"help": f"ring/hybrid token layout: one of {list(RING_LAYOUTS)}."}
     )
 
+    tiled_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "LM head + cross-entropy in token tiles: the [tokens, vocab] logits of a training forward are "
+            "never materialised (each tile holds about as many logits as the shard has hidden-state values)."
+        },
+    )
+    tiled_mlp: bool | int = field(
+        default=False,
+        metadata={
+            "help": "Run each dense MLP over the sequence in tiles, recomputed per tile in backward: True = tiles of "
+            "max(hidden_size, 4096) tokens, an integer = that many tiles. MoE routed experts stay untiled (logged)."
+        },
+    )
+    offload_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "Checkpoint every decoder layer and keep its saved input in host memory (pinned, copied "
+            "back ahead of the recompute); composes with gradient_checkpointing. On CPU it is checkpointing."
+        },
+    )
+
     def __post_init__(self) -> None:
+        _check_memory_flags(self)
         validate_sp_size(self.sp_size)
         if self.sp_backend not in OUR_BACKENDS + UPSTREAM_BACKENDS:
             raise ValueError(
@@ -55,6 +78,11 @@ class ParallelismConfig(_AccelerateParallelismConfig):
             )
         self._check_ring_options()
         if self.sp_backend in UPSTREAM_BACKENDS:
+            if self.memory_enabled:
+                raise ValueError(
+                    "tiled_loss, tiled_mlp and offload_activations are hf_longctx features; with "
+                    f"sp_backend={self.sp_backend!r} set them to False (or use sp_backend='ulysses')."
+                )
             super().__post_init__()
             return
         # accelerate validates sp_backend against a hard-coded ["deepspeed"] and would attach a
@@ -122,6 +150,11 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         attach(self, accelerator)
 
     @property
+    def memory_enabled(self) -> bool:
+        """True when any of the memory flags is on."""
+        return bool(self.tiled_loss or self.tiled_mlp or self.offload_activations)
+
+    @property
     def sp_upstream(self) -> bool:
         """True when SP is delegated to accelerate's DeepSpeed path rather than hf_longctx."""
         return self.sp_backend in UPSTREAM_BACKENDS
@@ -133,3 +166,12 @@ class ParallelismConfig(_AccelerateParallelismConfig):
             sp_size=int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")),
             sp_backend=os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "ulysses"),
         )
+
+
+def _check_memory_flags(config: ParallelismConfig) -> None:
+    for name in ("tiled_loss", "offload_activations"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}.")
+    tiles = config.tiled_mlp
+    if not isinstance(tiles, bool) and not (isinstance(tiles, int) and tiles >= 1):
+        raise ValueError(f"tiled_mlp must be True, False or a tile count >= 1, got {tiles!r}.")

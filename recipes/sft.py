@@ -46,6 +46,20 @@ class LongContextArguments:
     max_windows: int | None = field(default=None, metadata={"help": "Cap on training windows of the default data."})
     eval_windows: int = field(default=0, metadata={"help": "Held-out windows to evaluate on (default data)."})
     compare_to: str | None = field(default=None, metadata={"help": "Output dir of a reference run to compare with."})
+    tiled_loss: bool = field(default=False, metadata={"help": "LM head + loss in token tiles (no full logits)."})
+    tiled_mlp: str = field(default="false", metadata={"help": "Sequence-tiled MLPs: true, false or a tile count."})
+    offload_activations: bool = field(
+        default=False, metadata={"help": "Checkpoint every layer, saved inputs in host memory."}
+    )
+
+
+def _tiles(value: bool | int | str) -> bool | int:
+    """`tiled_mlp` from YAML (a bool or an int) or the command line (a string)."""
+    if isinstance(value, (bool, int)):
+        return value
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return int(value)
 
 
 DEFAULT_MODEL_CARD = """# Tiny random-init Llama trained by hf_longctx
@@ -65,11 +79,17 @@ def main() -> None:
     # escape; the Trainer's own progress bar is unaffected.
     transformers.utils.logging.disable_progress_bar()
     lc, args = TrlParser((LongContextArguments, SFTConfig)).parse_args_and_config()
-    if lc.sp_size > 1:
+    flags = {
+        "tiled_loss": lc.tiled_loss,
+        "tiled_mlp": _tiles(lc.tiled_mlp),
+        "offload_activations": lc.offload_activations,
+    }
+    if lc.sp_size > 1 or any(flags.values()):
         args.parallelism_config = hf_longctx.ParallelismConfig(
             sp_size=lc.sp_size,
             sp_backend=lc.sp_backend,
             **(_ring_options(lc) if lc.sp_backend in ("ring", "hybrid", "auto") else {}),
+            **flags,
         )
     if lc.model_name_or_path is None:
         tokenizer = gpt2_tokenizer()

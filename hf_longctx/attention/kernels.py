@@ -1,13 +1,18 @@
-"""What each local attention kernel needs to see the full sequence exactly.
+"""What each local attention kernel needs to see the full sequence exactly, in memory linear in it.
 
 `SequenceContext` is built once per model forward from the all-gathered global `position_ids`
-and lazily derives, per kernel family, the document-causal mask (sdpa, eager), the varlen
-`cu_seq_lens_*` (flash-attn) or the `BlockMask` (flex). Packed documents therefore never attend
-to each other, on every kernel. `kernel_inputs` is the main entry used by the Ulysses wrapper.
+and lazily derives, per kernel family, the varlen `cu_seq_lens_*` (flash-attn), the `BlockMask`
+(flex, built block by block) or the plan of `AttentionBlock`s (sdpa, eager). `attend` is the main
+entry used by the Ulysses wrapper. Packed documents never attend to each other on any kernel, and
+no kernel gets a dense `[sl, sl]` mask: sdpa and eager run once per document (causal, no mask),
+and where a mask is still needed (sliding windows; eager, which has no causal flag) once per block
+of queries with a `[q_block, keys]` mask. Attention then costs the sum of squared document
+lengths instead of the square of the row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +22,11 @@ from ..data.sharding import document_starts
 
 FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 SUPPORTED_KERNELS = ("sdpa", "eager", "flex_attention", *FLASH_KERNELS)
+# Largest `[q_block, keys]` mask (elements) a masked sdpa / eager block may take: eager's scores
+# are this times the local heads, so memory stays bounded however long the document is.
+MASK_BLOCK_ELEMENTS = 2**22
+MIN_Q_BLOCK = 64
+_PADDING_FREE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def kernel_family(name: str) -> str:
@@ -33,44 +43,84 @@ def kernel_family(name: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class AttentionBlock:
+    """Queries `[q0, q1)` of row `row` attend keys `[k0, q1)` (always inside one segment).
+
+    `masked=False`: plain causal, `k0 == q0`. `masked=True`: query i may attend key j when
+    `j <= i` and, with a window, `i - j < window`.
+    """
+
+    row: int
+    q0: int
+    q1: int
+    k0: int
+    masked: bool
+
+    def allowed(self, window: int | None, device: torch.device | None = None) -> torch.Tensor:
+        """Boolean `[q1 - q0, q1 - k0]` mask of this block."""
+        qi = torch.arange(self.q0, self.q1, device=device).unsqueeze(1)
+        kj = torch.arange(self.k0, self.q1, device=device).unsqueeze(0)
+        ok = kj <= qi
+        return ok & (qi - kj < window) if window is not None else ok
+
+
+def plan_blocks(
+    segments: list[tuple[int, int]], row: int, window: int | None, always_mask: bool, max_elements: int
+) -> Iterator[AttentionBlock]:
+    """The blocks covering one row's segments, queries in order (see `AttentionBlock`)."""
+    for start, end in segments:
+        length = end - start
+        if not always_mask and (window is None or length <= window):
+            yield AttentionBlock(row, start, end, start, masked=False)  # the window never binds
+            continue
+        span = length if window is None else min(length, window)
+        q_block = min(length, max(MIN_Q_BLOCK, max_elements // span))
+        for q0 in range(start, end, q_block):
+            k0 = start if window is None else max(start, q0 - window + 1)
+            yield AttentionBlock(row, q0, min(q0 + q_block, end), k0, masked=True)
+
+
 @dataclass
 class SequenceContext:
     """Global sequence metadata of one forward pass, shared by every attention layer."""
 
     position_ids: torch.Tensor  # [bs, sl] global positions
-    doc_ids: torch.Tensor = field(init=False)  # [bs, sl] document index within each row
     single_document: bool = field(init=False)  # every row holds one document: plain causal
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        starts = document_starts(self.position_ids)
-        self.doc_ids = starts.cumsum(dim=1)
-        self.single_document = bool((self.doc_ids[:, -1] == 1).all())
+        self.single_document = bool(document_starts(self.position_ids)[:, 1:].sum() == 0)
 
-    def allowed(self, sliding_window: int | None, chunk: int | None = None) -> torch.Tensor:
-        """Boolean `[bs, 1, sl, sl]`: query i may attend key j (causal, same document, in window,
-        and with `chunk` in the same chunk of positions, as transformers' chunked attention)."""
-        key = ("allowed", sliding_window, chunk)
+    def segment_starts(self, chunk: int | None = None) -> torch.Tensor:
+        """`[bs, sl]` True where a segment starts: documents, cut further at every multiple of
+        `chunk` positions for chunked-attention layers (transformers' chunked masks)."""
+        starts = document_starts(self.position_ids)
+        return starts | (self.position_ids % chunk == 0) if chunk is not None else starts
+
+    def segments(self, chunk: int | None = None) -> list[list[tuple[int, int]]]:
+        """Per row, the `[start, end)` token ranges that attend only among themselves."""
+        key = ("segments", chunk)
         if key not in self._cache:
-            sl = self.position_ids.shape[1]
-            idx = torch.arange(sl, device=self.position_ids.device)
-            ok = (idx[:, None] >= idx[None, :]).unsqueeze(0)
-            ok = ok & (self.doc_ids[:, :, None] == self.doc_ids[:, None, :])
-            if sliding_window is not None:
-                ok = ok & ((idx[:, None] - idx[None, :]) < sliding_window).unsqueeze(0)
-            if chunk is not None:
-                block = self.position_ids // chunk
-                ok = ok & (block[:, :, None] == block[:, None, :])
-            self._cache[key] = ok.unsqueeze(1)
+            starts = self.segment_starts(chunk)
+            sl, rows = starts.shape[1], []
+            for row in starts:
+                bounds = torch.nonzero(row).flatten().tolist() + [sl]
+                rows.append(list(zip(bounds[:-1], bounds[1:], strict=True)))
+            self._cache[key] = rows
         return self._cache[key]
 
-    def additive_mask(self, dtype: torch.dtype, sliding_window: int | None, chunk: int | None = None) -> torch.Tensor:
-        """Float `[bs, 1, sl, sl]` mask: 0 where allowed, the dtype's minimum elsewhere (eager)."""
-        key = ("additive", dtype, sliding_window, chunk)
+    def blocks(
+        self, window: int | None, chunk: int | None, always_mask: bool, max_elements: int = MASK_BLOCK_ELEMENTS
+    ) -> list[AttentionBlock]:
+        """The sdpa / eager plan of every row (see `plan_blocks`)."""
+        key = ("blocks", window, chunk, always_mask, max_elements)
         if key not in self._cache:
-            allowed = self.allowed(sliding_window, chunk)
-            zero = torch.zeros((), dtype=dtype, device=allowed.device)
-            self._cache[key] = torch.where(allowed, zero, torch.finfo(dtype).min)
+            self._cache[key] = [
+                block
+                for row, segments in enumerate(self.segments(chunk))
+                for block in plan_blocks(segments, row, window, always_mask, max_elements)
+            ]
         return self._cache[key]
 
     def varlen_kwargs(self, chunk: int | None = None) -> dict[str, Any]:
@@ -78,10 +128,7 @@ class SequenceContext:
         `chunk`, every chunk of positions is its own segment."""
         key = ("varlen", chunk)
         if key not in self._cache:
-            starts = document_starts(self.position_ids)
-            if chunk is not None:
-                starts = starts | (self.position_ids % chunk == 0)
-            starts = starts.flatten()
+            starts = self.segment_starts(chunk).flatten()
             total = starts.numel()
             bounds = torch.nonzero(starts).flatten()
             cu = torch.cat([bounds, bounds.new_tensor([total])]).to(torch.int32)
@@ -95,23 +142,15 @@ class SequenceContext:
         return self._cache[key]
 
     def block_mask(self, sliding_window: int | None, chunk: int | None = None):
-        """A flex-attention `BlockMask` with the same rule as `allowed`."""
+        """A flex-attention `BlockMask`: causal, same segment, within the window; built from
+        segment boundaries block by block (`block_mask.segment_block_mask`), never from a dense
+        `[sl, sl]` mask as `create_block_mask` would."""
         key = ("block", sliding_window, chunk)
         if key not in self._cache:
-            from torch.nn.attention.flex_attention import create_block_mask
+            from .block_mask import segment_block_mask
 
-            doc, pos = self.doc_ids, self.position_ids
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                ok = (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
-                if sliding_window is not None:
-                    ok = ok & (q_idx - kv_idx < sliding_window)
-                if chunk is not None:
-                    ok = ok & (pos[b, q_idx] // chunk == pos[b, kv_idx] // chunk)
-                return ok
-
-            bs, sl = doc.shape
-            self._cache[key] = create_block_mask(mask_mod, bs, None, sl, sl, device=doc.device)
+            segment_ids = self.segment_starts(chunk).cumsum(dim=1)
+            self._cache[key] = segment_block_mask(segment_ids, sliding_window)
         return self._cache[key]
 
 
@@ -127,33 +166,77 @@ def attention_chunk_size(module: Any) -> int | None:
 
 
 def kernel_inputs(
-    family: str, context: SequenceContext, query: torch.Tensor, kwargs: dict[str, Any], chunk: int | None = None
+    family: str, context: SequenceContext, kwargs: dict[str, Any], chunk: int | None = None
 ) -> tuple[Any, dict[str, Any]]:
-    """The `attention_mask` and keyword arguments to call a kernel of `family` on the full sequence.
+    """The `attention_mask` and keyword arguments to call a flash or flex kernel on the full sequence.
 
     Args:
-        family: "sdpa", "eager", "flash" or "flex" (see `kernel_family`).
+        family: "flash" or "flex" (sdpa and eager run block by block, see `attend`).
         context: the forward's global sequence metadata.
-        query: the full-sequence query `[bs, hc_l, sl, hs]` (for dtype and head count).
         kwargs: the keyword arguments the model passed to the attention function.
         chunk: the layer's attention chunk size (see `attention_chunk_size`), or None.
 
     Returns:
         `(attention_mask, kwargs)` for the kernel; local padding-free metadata is replaced by
         global metadata and `position_ids` by the global positions.
+
+    Raises:
+        ValueError: `family` is "sdpa" or "eager".
     """
-    kw = {
-        k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    }
+    if family not in ("flash", "flex"):
+        raise ValueError(f"kernel_inputs serves flash and flex kernels; {family!r} runs through attend().")
+    kw = {k: v for k, v in kwargs.items() if k not in _PADDING_FREE_KWARGS}
     kw["position_ids"] = context.position_ids
-    window = kw.get("sliding_window")
-    if family == "sdpa":
-        needs_mask = not context.single_document or window is not None or chunk is not None
-        return (context.allowed(window, chunk) if needs_mask else None), kw
-    if family == "eager":
-        return context.additive_mask(query.dtype, window, chunk), kw
     if family == "flash":
         if not context.single_document or chunk is not None:
             kw.update(context.varlen_kwargs(chunk))
         return None, kw
-    return context.block_mask(window, chunk), kw
+    return context.block_mask(kw.get("sliding_window"), chunk), kw
+
+
+def attend(
+    kernel: Callable[..., tuple[torch.Tensor, Any]],
+    module: Any,
+    family: str,
+    context: SequenceContext,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Run `kernel` over the full sequence with the document / window / chunk rule of `context`.
+
+    Args:
+        kernel: the model's attention function (transformers' signature).
+        module: what the kernel reads as its module (local head counts).
+        family: see `kernel_family`.
+        context: the forward's global sequence metadata.
+        query: `[bs, hc_l, sl, hs]`; key / value: `[bs, hc_kv_l, sl, hs(_v)]`.
+        kwargs: the keyword arguments the model passed to the attention function.
+        chunk: the layer's attention chunk size, or None.
+
+    Returns:
+        `[bs, sl, hc_l, hs_v]`, the kernel's output layout.
+    """
+    if family in ("flash", "flex"):
+        mask, kw = kernel_inputs(family, context, kwargs, chunk)
+        return kernel(module, query, key, value, mask, **kw)[0]
+    kw = {k: v for k, v in kwargs.items() if k not in _PADDING_FREE_KWARGS and k != "position_ids"}
+    window = kw.get("sliding_window")
+    always_mask = family == "eager"  # eager has no causal flag: every block gets its mask
+    if context.single_document and chunk is None and (window is None or window >= query.shape[2]) and not always_mask:
+        return kernel(module, query, key, value, None, **kw)[0]
+    rows: list[list[torch.Tensor]] = [[] for _ in range(query.shape[0])]
+    for block in context.blocks(window, chunk, always_mask):
+        b, q, k = block.row, slice(block.q0, block.q1), slice(block.k0, block.q1)
+        mask = None
+        if block.masked:
+            mask = block.allowed(window, query.device)[None, None]  # [1, 1, q_block, keys]
+            if family == "eager":
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                    ~mask, torch.finfo(query.dtype).min
+                )
+        out = kernel(module, query[b : b + 1, :, q], key[b : b + 1, :, k], value[b : b + 1, :, k], mask, **kw)[0]
+        rows[b].append(out)  # [1, q_block, hc_l, hs_v]
+    return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)

@@ -16,7 +16,7 @@ import torch
 
 from ..comm import all_to_all
 from ..groups import SequenceParallelGroups
-from .kernels import SequenceContext, attention_chunk_size, kernel_inputs
+from .kernels import SequenceContext, attend, attention_chunk_size
 
 
 def valid_sp_sizes(num_heads: int) -> list[int]:
@@ -177,12 +177,13 @@ def ulysses_attention(
         )
     layout = head_layout(num_heads, key.shape[1], ws)
     q, k, v = _exchange_qkv(query, key, value, layout, groups)
-    mask, kernel_kwargs = kernel_inputs(family, context, q, kwargs, attention_chunk_size(module))
     heads = slice(groups.sp_rank * layout.q_local, (groups.sp_rank + 1) * layout.q_local)
+    kernel_kwargs = dict(kwargs)
     for name in PER_HEAD_KWARGS:
         if isinstance(kernel_kwargs.get(name), torch.Tensor):
             kernel_kwargs[name] = kernel_kwargs[name][heads]
     view = _KernelModuleView(module, layout.kv_groups_local, kernel_name, heads)
-    out, _ = kernel(view, q, k, v, mask, **kernel_kwargs)  # [bs, sl, hc_l, hs_v]
+    # [bs, sl, hc_l, hs_v]; sdpa / eager run per document (or block), never with a [sl, sl] mask
+    out = attend(kernel, view, family, context, q, k, v, kernel_kwargs, attention_chunk_size(module))
     out = all_to_all(out, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, sl_l, hc, hs_v]
     return out, None

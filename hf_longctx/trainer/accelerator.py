@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from ..attention.registry import SequenceParallelHandle, check_model, enable_sequence_parallel
 from ..groups import SequenceParallelGroups, validate_sp_size
+from ..memory import MemoryHandle, apply_memory_flags
+from ..memory.attach import attach_memory_flags, detach_memory_flags
 from .dataloader import prepare_data_loader
 from .metrics import gather_for_metrics
 
@@ -39,7 +41,7 @@ class SequenceParallelState:
 
     config: Any
     groups: SequenceParallelGroups
-    handles: list[SequenceParallelHandle] = field(default_factory=list)
+    handles: list[SequenceParallelHandle | MemoryHandle] = field(default_factory=list)
     wrapped: list[str] = field(default_factory=list)
     undo: list[Callable[[], None]] = field(default_factory=list)  # collate_fn and Trainer attributes
     checked: set[int] = field(default_factory=set)  # ids of models already validated
@@ -50,6 +52,8 @@ class SequenceParallelState:
         if getattr(model, "config", None) is None or any(h.model is model for h in self.handles):
             return
         self.handles.append(enable_sequence_parallel(model, self.groups, **self.config.attention_options()))
+        # Memory flags (tiled loss / MLP, activation offload; hf_longctx/memory): a no-op handle when all off.
+        self.handles.append(apply_memory_flags(model, self.config))
 
     def check(self, model: Any) -> None:
         """Validate a model SP will run (heads, kernel, token mixers) once, without changing it."""
@@ -119,6 +123,7 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
         )
     validate_sp_size(config.sp_size, accelerator.num_processes)
     if config.sp_size == 1:
+        attach_memory_flags(config, accelerator)  # the memory flags apply without SP too
         return None
     state = SequenceParallelState(config, SequenceParallelGroups.build(config.sp_size))
     _wrap_accelerator(accelerator, state)
@@ -203,6 +208,7 @@ def detach(trainer_or_accelerator: Any) -> None:
     trains without SP.
     """
     accelerator = getattr(trainer_or_accelerator, "accelerator", trainer_or_accelerator)
+    detach_memory_flags(accelerator)
     state = sp_state(accelerator)
     if state is None:
         return

@@ -392,7 +392,7 @@ def _checkpointing(groups, *, forward_in_between: bool) -> dict:
     """
     packed = make_case("packed3").batch
     model = CHECKPOINT_SPEC.build()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable({"use_reentrant": False})
     with hf_longctx.enable_sequence_parallel(model, groups):
         shard = hf_longctx.shard_batch(packed, groups)
         shift_labels = shard.pop("shift_labels")

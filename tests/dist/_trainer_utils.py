@@ -151,8 +151,9 @@ def sft_dataset(kind: str, n: int, seed: int = 5):
 # ---- Trainer runs --------------------------------------------------------------------------------
 
 
-def _parallelism(sp: int, options: dict | None = None):
-    return hf_longctx.ParallelismConfig(sp_size=sp, **(options or {})) if sp > 1 else None
+def _parallelism(sp: int, options: dict | None = None, flags: dict[str, Any] | None = None):
+    fields = {**(options or {}), **(flags or {})}
+    return hf_longctx.ParallelismConfig(sp_size=sp, **fields) if sp > 1 or flags else None
 
 
 def _logs(trainer: Any, keys: tuple[str, ...]) -> list[dict[str, float]]:
@@ -177,9 +178,11 @@ def run_trainer(
     subclass: bool = False,
     loss_func: bool = False,
     predict: tuple[str, int] | None = None,
+    raw_logits: bool = False,
     fsdp2: bool = False,
     gradient_checkpointing: bool = False,
     sp_options: dict | None = None,
+    flags: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
@@ -187,10 +190,11 @@ def run_trainer(
     `epochs` set means an epoch-based run (max_steps unset). `resume_from` is a checkpoint directory.
     `subclass` uses a Trainer subclass whose `prediction_step` post-processes `super()`'s result;
     `loss_func` passes a `compute_loss_func` (the SP run's takes the pre-shifted labels, marked);
-    `predict` runs `trainer.predict` on that eval set with per-sample metric outputs. `fsdp2` goes through
-    accelerate's own FSDP2 route (`fully_shard` per decoder layer), which accelerate enables only on GPUs;
-    `accelerate_fsdp_on_cpu` lifts that for the test. `sp_options`: more `ParallelismConfig` fields
-    (sp_backend, ulysses_degree, ring_variant, ...).
+    `predict` runs `trainer.predict` on that eval set with per-sample metric outputs (`raw_logits`: the
+    whole logits instead). `fsdp2` goes through accelerate's own FSDP2 route (`fully_shard` per decoder
+    layer), which accelerate enables only on GPUs; `accelerate_fsdp_on_cpu` lifts that for the test.
+    `sp_options`: more `ParallelismConfig` fields (sp_backend, ulysses_degree, ring_variant, ...);
+    `flags`: hf_longctx memory flags (`tiled_loss`, ...), applied at SP=1 too.
     """
     from transformers import Trainer, TrainingArguments
 
@@ -218,7 +222,7 @@ def run_trainer(
         remove_unused_columns=False,
         label_smoothing_factor=label_smoothing,
         gradient_checkpointing=gradient_checkpointing,
-        parallelism_config=_parallelism(sp, sp_options),
+        parallelism_config=_parallelism(sp, sp_options, flags),
         **(FSDP2_ARGS if fsdp2 else {}),
     )
     trainer_cls = subclass_trainer() if subclass else Trainer
@@ -229,7 +233,7 @@ def run_trainer(
             train_dataset=dataset(*data),
             data_collator=collator,
             compute_loss_func=(shifted_loss if sp > 1 else unshifted_loss) if loss_func else None,
-            preprocess_logits_for_metrics=per_sample_outputs,
+            preprocess_logits_for_metrics=None if raw_logits else per_sample_outputs,
         )
     trainer.train(resume_from_checkpoint=resume_from)
     result = {
@@ -246,12 +250,13 @@ def run_trainer(
     result["eval_loss"] = {n: trainer.evaluate(dataset(kind, n))["eval_loss"] for kind, n in eval_data}
     if predict is not None:
         out = trainer.predict(dataset(*predict))
-        result["predict"] = {
-            "loss": out.metrics["test_loss"],
-            "first_tokens": out.predictions[0].tolist(),
-            "mean_logit": out.predictions[1].tolist(),
-            "label_ids": out.label_ids.tolist(),
-        }
+        result["predict"] = {"loss": out.metrics["test_loss"], "label_ids": out.label_ids.tolist()}
+        if raw_logits:
+            result["predict"]["predictions"] = out.predictions
+        else:
+            result["predict"]["first_tokens"] = out.predictions[0].tolist()
+            result["predict"]["mean_logit"] = out.predictions[1].tolist()
+    result["memory"] = memory_flags_active(model)
     # detach() gives the model back for single-process use: its own attention, no pre-hook.
     hf_longctx.trainer.detach(trainer)
     result["attn_after_detach"] = model.config._attn_implementation
@@ -332,6 +337,18 @@ def shifted_loss(outputs, labels, num_items_in_batch=None):
     return ForCausalLMLoss(outputs.logits, None, VOCAB, num_items_in_batch=num_items_in_batch, shift_labels=labels)
 
 
+def memory_flags_active(model: torch.nn.Module) -> dict[str, bool]:
+    """Which memory flags are applied to the tiny llama: the tiled-loss hook on lm_head, a tiled MLP
+    forward, checkpointing through the offloading checkpoint function."""
+    layer = model.model.layers[0]
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    return {
+        "tiled_loss": len(model.lm_head._forward_hooks) > 0,
+        "tiled_mlp": "forward" in vars(layer.mlp),
+        "offload_activations": getattr(getattr(func, "func", None), "__name__", "") == "offloaded_checkpoint",
+    }
+
+
 def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
     """The ValueError message (None: nothing raised) of each misconfiguration: Trainer construction, then
     `train()` for the cases only `train()` can see (the Trainer's loss settings)."""
@@ -410,6 +427,7 @@ def run_sft(
     steps: int = 4,
     epochs: float | None = None,
     sp_options: dict | None = None,
+    flags: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
 
@@ -417,7 +435,8 @@ def run_sft(
     packed documents apart by construction: the packing reference. (transformers 5.24 sdpa also keeps
     them apart, but only when no attention_mask is passed and no cache exists: `create_causal_mask` detects
     packing from position_ids only then.)
-    `eval_data` maps a name to an eval set, each evaluated after training.
+    `eval_data` maps a name to an eval set, each evaluated after training. `sp_options`, `flags`: see
+    `run_trainer`.
     """
     from trl import SFTConfig, SFTTrainer
 
@@ -447,7 +466,7 @@ def run_sft(
         packing=packing,
         max_length=64,
         completion_only_loss=completion_only,
-        parallelism_config=_parallelism(sp, sp_options),
+        parallelism_config=_parallelism(sp, sp_options, flags),
     )
     eval_sets = {name: sft_dataset(kind, n, seed=11) for name, (kind, n) in (eval_data or {}).items()}
     trainer = SFTTrainer(
@@ -462,6 +481,7 @@ def run_sft(
         "logs": _logs(trainer, SFT_KEYS),
         "global_step": trainer.state.global_step,
         "attn": model.config._attn_implementation,
+        "memory": memory_flags_active(model),
         **forwards.take(),
     }
     # One evaluate() per set: TRL logs its own eval metrics without the set's name.

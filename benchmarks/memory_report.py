@@ -1,0 +1,233 @@
+"""Pure functions of the memory benchmark: medians, ratios against the targets, markdown and plots.
+
+Aggregation: per run, the step time of a measured step is its slowest rank's, and the run's time is the
+median over its measured steps; the run's peak is the largest process high-water mark over ranks. Per
+(section, trainer, variant) the median over repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+GiB = 2**30
+TARGETS = {
+    "peak_flags_over_upstream": 0.35,  # <=
+    "time_flags_over_off": 1.1,  # <=
+    "time_flags_over_ckpt": 1.1,  # <= (not an issue target: the same bound against checkpointing alone)
+    "longest_ours_over_upstream": 4.0,  # >=
+    "packed_time_over_upstream": 0.5,  # <=
+    "packed_peak_over_upstream": 1.0,  # <=
+}
+
+
+def run_numbers(record: dict[str, Any]) -> dict[str, Any] | None:
+    """Step time (s), peak (GiB) and first loss of one ok run, or None."""
+    if record.get("status") != "ok":
+        return None
+    ranks = record["result"]["ranks"]
+    warmup = record["spec"]["warmup"]
+    measured = range(warmup, len(ranks[0]["steps"]))
+    per_step = [max(r["steps"][i]["step_s"] for r in ranks) for i in measured]
+    cpu = [max(r["steps"][i].get("cpu_s", 0.0) for r in ranks) for i in measured]
+    return {
+        "step_s": statistics.median(per_step) if per_step else None,
+        "cpu_s": statistics.median(cpu) if cpu and all(cpu) else None,
+        "peak_gib": max(r["process_peak_bytes"] for r in ranks) / GiB,
+        "first_loss": ranks[0]["first_loss"],
+        "reference_loss": record["result"].get("document_reference_loss"),
+    }
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(data: dict[str, Any]) -> dict[str, Any]:
+    """Cells of sections 1 and 2 (median over repeats), the section-3 ladder and every target ratio."""
+    cells: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    ladder: list[dict[str, Any]] = []
+    failures = []
+    budget = data["meta"]["args"]["budget_gib"]
+    for record in data["records"]:
+        job = record["spec"]
+        numbers = run_numbers(record)
+        if numbers is None:
+            failures.append(
+                f"{job['section']} {job['variant']} {job['trainer']} S={job['seq_len']}: {record['status']}"
+            )
+        if job["section"] == "longest":
+            peak = numbers["peak_gib"] if numbers else None
+            ladder.append(
+                {"variant": job["variant"], "seq_len": job["seq_len"], "peak_gib": peak, "status": record["status"]}
+            )
+            ladder[-1]["fits"] = peak is not None and peak <= budget
+        elif numbers is not None:
+            cells.setdefault((job["section"], job["trainer"], job["variant"]), []).append(numbers)
+    table = {
+        key: {k: _median([r[k] for r in runs]) for k in ("step_s", "cpu_s", "peak_gib", "first_loss", "reference_loss")}
+        | {"runs": len(runs)}
+        for key, runs in cells.items()
+    }
+
+    def get(section: str, trainer: str, variant: str, key: str) -> float | None:
+        return table.get((section, trainer, variant), {}).get(key)
+
+    ratios = {}
+    for trainer in ("trainer", "sft"):
+        ratios[f"{trainer}_peak_flags_over_upstream"] = _ratio(
+            get("flags", trainer, "flags", "peak_gib"), get("flags", trainer, "upstream", "peak_gib")
+        )
+        for key, name in (("step_s", "time"), ("cpu_s", "cpu_time")):
+            for base in ("off", "ckpt"):
+                ratios[f"{trainer}_{name}_flags_over_{base}"] = _ratio(
+                    get("flags", trainer, "flags", key), get("flags", trainer, base, key)
+                )
+    for key, name in (("step_s", "time"), ("cpu_s", "cpu_time")):
+        ratios[f"packed_{name}_over_upstream"] = _ratio(
+            get("packed", "trainer", "off", key), get("packed", "trainer", "upstream", key)
+        )
+    ratios["packed_peak_over_upstream"] = _ratio(
+        get("packed", "trainer", "off", "peak_gib"), get("packed", "trainer", "upstream", "peak_gib")
+    )
+    longest = {
+        v: max([r["seq_len"] for r in ladder if r["variant"] == v and r["fits"]], default=None)
+        for v in ("upstream", "flags")
+    }
+    ratios["longest_ours_over_upstream"] = _ratio(longest["flags"], longest["upstream"])
+    return {"cells": table, "ladder": ladder, "longest": longest, "ratios": ratios, "failures": failures}
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _verdict(name: str, value: float | None) -> str:
+    key = name.removeprefix("trainer_").removeprefix("sft_").replace("cpu_time", "time")
+    target = TARGETS[key]
+    if value is None:
+        return "not measured"
+    ok = value >= target if key == "longest_ours_over_upstream" else value <= target
+    sign = ">=" if key == "longest_ours_over_upstream" else "<="
+    return f"{value:.3f} (target {sign} {target}: {'reached' if ok else 'NOT reached'})"
+
+
+def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
+    args = meta["args"]
+    lines = [
+        f"# Memory benchmark, CPU ({meta['date']})",
+        "",
+        f"`python -m benchmarks.memory {' '.join(meta['argv'])}`: {meta['wall_s'] / 60:.1f} min; load average "
+        f"{meta['load_average_start']:.1f} at the start, {meta['load_average_end']:.1f} at the end on "
+        f"{meta['cpus']} CPUs (other jobs shared the machine when the load exceeds the CPU count). Tiny Llama "
+        f"{meta['model']}, SP=2 (2 processes, one thread each), DeepSpeed ZeRO-1, fp32, sdpa. Flags: "
+        f"{', '.join(meta['flags'])}; ckpt = activation checkpointing only.",
+        "",
+        f"## Flags on vs off vs upstream: S = {args['seq_len']}, vocabulary 32,768",
+        "",
+        "| trainer | variant | peak GiB / rank | step s (wall) | step s (CPU) | runs |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    cells = summary["cells"]
+    for trainer in ("trainer", "sft"):
+        for variant in ("off", "ckpt", "flags", "upstream"):
+            c = cells.get(("flags", trainer, variant))
+            if c:
+                times = f"{_f(c['step_s'])} | {_f(c['cpu_s'])}"
+                lines.append(f"| {trainer} | {variant} | {_f(c['peak_gib'], '.3f')} | {times} | {c['runs']} |")
+    packed = [(v, cells[("packed", "trainer", v)]) for v in ("off", "upstream") if ("packed", "trainer", v) in cells]
+    if packed:
+        lines += [
+            "",
+            f"## Packed rows: {args['seq_len'] // args['doc_len']} documents x {args['doc_len']} tokens, "
+            "vocabulary 1,024",
+            "",
+            "| variant | peak GiB / rank | step s (wall) | step s (CPU) | first-step loss "
+            "| per-document reference loss |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+    for variant, c in packed:
+        if c:
+            name = "hf_longctx" if variant == "off" else variant
+            lines.append(
+                f"| {name} | {_f(c['peak_gib'], '.3f')} | {_f(c['step_s'])} | {_f(c['cpu_s'])} | "
+                f"{_f(c['first_loss'], '.6f')} | {_f(c['reference_loss'], '.6f')} |"
+            )
+    if summary["ladder"]:
+        lines += [
+            "",
+            f"## Longest row that trains one step within {args['budget_gib']} GiB per rank (vocabulary 32,768)",
+            "",
+            "| variant | S | peak GiB / rank | fits |",
+            "|---|---:|---:|---|",
+        ]
+        for r in summary["ladder"]:
+            fits = "yes" if r["fits"] else "no"
+            lines.append(f"| {r['variant']} | {r['seq_len']} | {_f(r['peak_gib'], '.3f')} | {fits} |")
+        longest = summary["longest"]
+        lines += ["", f"Longest: upstream {longest['upstream']}, hf_longctx with flags {longest['flags']}"]
+        lines.append(f"(hf_longctx tried up to {args['max_seq']}).")
+    lines += ["", "## Targets", ""]
+    lines += ["Time ratios are given on wall time and on process CPU time (the robust one on a shared machine).", ""]
+    for name, value in summary["ratios"].items():
+        if value is not None:
+            lines.append(f"- {name}: {_verdict(name, value)}")
+    if summary["failures"]:
+        lines += ["", "Failed runs: " + "; ".join(summary["failures"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], prefix: str) -> list[str]:
+    """Bar charts of peak and step time per trainer/variant (and packed rows), and the section-3 ladder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells, paths = summary["cells"], []
+    groups = [("flags", "trainer"), ("flags", "sft"), ("packed", "trainer")]
+    for key, label, name in (("peak_gib", "peak resident GiB per rank", "peak"), ("step_s", "step time (s)", "time")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        xs, heights, colors, ticks = [], [], [], []
+        palette = {"off": "tab:blue", "ckpt": "tab:cyan", "flags": "tab:green", "upstream": "tab:red"}
+        x = 0
+        for section, trainer in groups:
+            for variant in ("off", "ckpt", "flags", "upstream"):
+                c = cells.get((section, trainer, variant))
+                if c and c[key] is not None:
+                    xs.append(x)
+                    heights.append(c[key])
+                    colors.append(palette[variant])
+                    ticks.append(f"{section}/{trainer}\n{variant}")
+                    x += 1
+            x += 0.5
+        ax.bar(xs, heights, color=colors)
+        ax.set_xticks(xs, ticks, fontsize=7)
+        ax.set_ylabel(label)
+        ax.set_title(f"hf_longctx (off / flags) vs upstream DeepSpeed SP, SP=2: {label}")
+        fig.tight_layout()
+        path = f"{prefix}-{name}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    if not summary["ladder"]:
+        return paths
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant, color in (("upstream", "tab:red"), ("flags", "tab:green")):
+        rows = [r for r in summary["ladder"] if r["variant"] == variant and r["peak_gib"] is not None]
+        ax.plot([r["seq_len"] for r in rows], [r["peak_gib"] for r in rows], "o-", color=color, label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens, SP=2)")
+    ax.set_ylabel("peak resident GiB per rank")
+    ax.legend()
+    ax.set_title("one optimizer step: peak memory vs length")
+    fig.tight_layout()
+    path = f"{prefix}-longest.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return paths + [path]

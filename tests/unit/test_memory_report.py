@@ -1,0 +1,60 @@
+"""`benchmarks.memory_report`: medians, target ratios and the ladder from synthetic run records."""
+
+from __future__ import annotations
+
+from benchmarks.memory_report import render_markdown, summarize
+
+GiB = 2**30
+
+
+def _record(section, trainer, variant, seq_len, step_times, peaks, warmup=1, status="ok", loss=1.0, ref=None):
+    spec = {"section": section, "trainer": trainer, "variant": variant, "seq_len": seq_len, "warmup": warmup}
+    if status != "ok":
+        return {"spec": spec, "status": status}
+    ranks = [
+        {"steps": [{"step_s": t * (1 + r / 10)} for t in step_times], "process_peak_bytes": p * GiB, "first_loss": loss}
+        for r, p in enumerate(peaks)
+    ]
+    result = {"ranks": ranks}
+    if ref is not None:
+        result["document_reference_loss"] = ref
+    return {"spec": spec, "status": "ok", "result": result}
+
+
+def _data(records):
+    meta = {"args": {"budget_gib": 2.0, "seq_len": 16384, "doc_len": 1024, "max_seq": 65536}}
+    meta.update(date="d", argv=[], wall_s=60.0, load_average_start=1.0, load_average_end=1.0, cpus=2)
+    meta.update(model={}, flags={"tiled_loss": True})
+    return {"meta": meta, "records": records}
+
+
+def test_summary_medians_ratios_and_ladder():
+    records = [
+        # warm-up step (first) excluded; slowest rank (rank 1 = x1.1) per step; median over steps then repeats
+        _record("flags", "trainer", "off", 16384, [9.0, 10.0, 12.0], [3.0, 3.1]),
+        _record("flags", "trainer", "off", 16384, [9.0, 10.0, 10.0], [3.0, 3.0]),
+        _record("flags", "trainer", "flags", 16384, [9.0, 11.0, 11.0], [1.0, 1.2]),
+        _record("flags", "trainer", "upstream", 16384, [9.0, 20.0, 20.0], [4.0, 4.0]),
+        _record("packed", "trainer", "off", 16384, [1.0, 2.0], [1.0, 1.0], loss=5.0, ref=5.0),
+        _record("packed", "trainer", "upstream", 16384, [1.0, 8.0], [2.0, 2.0], loss=4.0, ref=5.0),
+        _record("longest", "trainer", "upstream", 4096, [5.0], [1.5], warmup=0),
+        _record("longest", "trainer", "upstream", 8192, [5.0], [2.5], warmup=0),
+        _record("longest", "trainer", "flags", 16384, [5.0], [1.2], warmup=0),
+        _record("longest", "trainer", "flags", 32768, [5.0], [1.9], warmup=0),
+        _record("longest", "trainer", "flags", 65536, [5.0], [1.0], warmup=0, status="timeout"),
+    ]
+    summary = summarize(_data(records))
+    off = summary["cells"][("flags", "trainer", "off")]
+    assert off["runs"] == 2 and off["peak_gib"] == (3.1 + 3.0) / 2
+    assert abs(off["step_s"] - (11.0 * 1.1 + 11.0) / 2) < 1e-9  # run medians 12.1 (11*1.1) and 11.0
+    ratios = summary["ratios"]
+    assert abs(ratios["trainer_peak_flags_over_upstream"] - 1.2 / 4.0) < 1e-9
+    assert abs(ratios["packed_time_over_upstream"] - 0.25) < 1e-9
+    assert summary["longest"] == {"upstream": 4096, "flags": 32768}
+    assert ratios["longest_ours_over_upstream"] == 8.0
+    assert ratios["sft_peak_flags_over_upstream"] is None
+    assert summary["failures"] == ["longest flags trainer S=65536: timeout"]
+    text = render_markdown(_data(records)["meta"], summary)
+    assert "trainer_peak_flags_over_upstream: 0.300 (target <= 0.35: reached)" in text
+    assert "packed_peak_over_upstream: 0.500 (target <= 1.0: reached)" in text
+    assert "sft_time_flags_over_off" not in text  # not measured: left out
