@@ -92,6 +92,13 @@ class SequenceContext:
     def __post_init__(self) -> None:
         self.single_document = bool(document_starts(self.position_ids)[:, 1:].sum() == 0)
 
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        """`[bs, sl]` document index within each row (from 1): the ring's block plans compare them."""
+        if "doc_ids" not in self._cache:
+            self._cache["doc_ids"] = document_starts(self.position_ids).cumsum(dim=1)
+        return self._cache["doc_ids"]
+
     def segment_starts(self, chunk: int | None = None) -> torch.Tensor:
         """`[bs, sl]` True where a segment starts: documents, cut further at every multiple of
         `chunk` positions for chunked-attention layers (transformers' chunked masks)."""

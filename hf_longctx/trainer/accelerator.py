@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .metrics import gather_for_metrics
 
 logger = logging.getLogger(__name__)
 STATE_ATTR = "_hf_longctx_state"
+EXIT_DRAIN_S = 0.1  # see _destroy_default_group_at_exit
 
 
 @dataclass(eq=False)
@@ -160,6 +162,13 @@ def _destroy_default_group_at_exit() -> None:
 
     def shutdown() -> None:
         if dist.is_available() and dist.is_initialized():
+            # A gloo worker thread frees each finished collective after the caller's wait() returned, and
+            # freeing a tensor Python has dropped needs the GIL. If the job's last collective ran just before
+            # exit, that thread can still be waiting for the GIL when finalisation starts, and Python then
+            # ends it mid-destructor: std::terminate, SIGABRT (seen in a core dump of this job: gloo's
+            # runLoop -> ~AsyncAllgatherWork -> take_gil during Py_FinalizeEx; 4 of 15 runs). Sleeping
+            # releases the GIL so such a thread finishes first.
+            time.sleep(EXIT_DRAIN_S)
             dist.destroy_process_group()
 
     atexit.register(shutdown)
