@@ -1,5 +1,6 @@
-"""The memory flags under Ulysses SP=2 and SP=4: each flag on vs off, and all flags vs a single-device
-run without SP, give the same loss and every parameter's gradient; TRL's fused-head outputs too.
+"""The memory flags under Ulysses SP=2 and SP=4 (and ring at 2, hybrid at 4): each flag on vs off, and all
+flags vs a single-device run without SP, give the same loss and every parameter's gradient;
+TRL's fused-head outputs too.
 
 Each rank calls the model with its shard the way the Trainer does (labels = shift_labels and the global
 token count as `num_items_in_batch`): the group's summed per-rank losses are the global token mean and
@@ -30,6 +31,8 @@ MODELS = {
     2: (("llama", "sdpa", 2), ("gemma2", "eager", 2), ("deepseek_v3", "sdpa", 4)),
     4: (("llama", "sdpa", 2),),
 }
+# The other SP backends (zigzag layout; hybrid = Ulysses 2 x ring 2): all flags vs none vs a single device.
+OTHER_BACKENDS = {2: ("ring",), 4: ("hybrid",)}
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -115,6 +118,14 @@ def parity_worker(rank: int, world_size: int) -> dict:
                 if arch == "llama":
                     results[(arch, name, "fused")] = _run(model, batch, groups, fused=True)
         results[(arch, "single")] = _reference(arch, attn, kv, batch)[:2]
+    for backend in OTHER_BACKENDS[world_size]:
+        # Fresh groups: their token layout (zigzag) follows this backend, which shard_batch reads.
+        backend_groups = hf_longctx.SequenceParallelGroups.build(world_size)
+        model = tiny_model("llama", attn="sdpa", num_kv_heads=2)
+        hf_longctx.enable_sequence_parallel(model, backend_groups, backend=backend)
+        for name in ("off", "all"):
+            with apply_memory_flags(model, SimpleNamespace(**FLAGS[name])):
+                results[(backend, name)] = _run(model, batch, backend_groups, fused=False)
     return results if rank == 0 else {}
 
 
@@ -134,6 +145,9 @@ def test_each_flag_matches_no_flags_and_single_device(world_size):
         for name in FLAGS:
             _assert_close(results[(arch, name)], results[(arch, "off")], f"SP={world_size} {arch} {name}")
         _assert_close(results[(arch, "all")], results[(arch, "single")], f"SP={world_size} {arch} all vs single")
+    for backend in OTHER_BACKENDS[world_size]:
+        _assert_close(results[(backend, "all")], results[(backend, "off")], f"SP={world_size} {backend} all")
+        _assert_close(results[(backend, "all")], results[("llama", "single")], f"SP={world_size} {backend} vs single")
     for name in FLAGS:
         got, want = results[("llama", name, "fused")], results[("llama", "off", "fused")]
         _assert_close(got, want, f"SP={world_size} fused {name}")
