@@ -3,6 +3,8 @@
     python -m benchmarks.plan_validate                 # the grid below, ~5 min on 2 cores
     python -m benchmarks.plan_validate --quick         # the calibration point and three others
     python -m benchmarks.plan_validate --flags         # also the memory-flag points (where the fields exist)
+    python -m benchmarks.plan_validate --flags --only sp2-s8192-tiled-loss      # some points (+ calibration)
+    python -m benchmarks.plan_validate --flags --repredict results/X-plan-cpu.json --no-write   # no training
 
 Every point is one real optimizer step of a tiny random-init Llama (float32, sdpa or eager) through the
 stock `transformers.Trainer` (AdamW, DDP on gloo for SP = 2, hf_longctx SP through
@@ -76,12 +78,33 @@ GRID = [
 QUICK = [CALIBRATION, GRID[1], GRID[3], GRID[7]]
 FLAG_POINTS = [
     {"name": "sp2-s8192-tiled-loss", "seq_len": 8192, "sp": 2, "flags": {"tiled_loss": True}},
-    {"name": "sp2-s8192-tiled-mlp", "seq_len": 8192, "sp": 2, "flags": {"tiled_mlp": True}},
+    {
+        "name": "sp2-s8192-vocab32k-tiled-loss",
+        "seq_len": 8192,
+        "sp": 2,
+        "model": {"vocab_size": 32768},
+        "flags": {"tiled_loss": True},
+    },
+    # 4,096 tokens per rank: tiled_mlp=True would run one tile (the MLP as is), so a count is given.
+    {"name": "sp2-s8192-tiled-mlp4", "seq_len": 8192, "sp": 2, "flags": {"tiled_mlp": 4}},
+    {"name": "sp2-s16384-tiled-mlp", "seq_len": 16384, "sp": 2, "flags": {"tiled_mlp": True}},
     {
         "name": "sp2-s8192-gc-all-flags",
         "seq_len": 8192,
         "sp": 2,
         "gradient_checkpointing": True,
+        "flags": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
+    },
+    {
+        "name": "sp2-s16384-all-flags",
+        "seq_len": 16384,
+        "sp": 2,
+        "flags": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
+    },
+    {
+        "name": "sp1-s8192-all-flags",
+        "seq_len": 8192,
+        "sp": 1,
         "flags": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
     },
 ]
@@ -222,8 +245,14 @@ def calibrate(measured_gib: float, point: dict[str, Any]) -> float:
     return measured_gib - predict(point, 0.0).peak_gib
 
 
-def validate(points: list[dict[str, Any]], log=print) -> dict[str, Any]:
-    """Measure every point, calibrate on the first, predict the rest; rows with relative errors."""
+def validate(
+    points: list[dict[str, Any]], log=print, measured: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Measure every point, calibrate on the first, predict the rest; rows with relative errors.
+
+    `measured` (name -> `measure` result) replaces the runs for the points it names: re-predicting
+    stored measurements after a planner change, without training again.
+    """
     rows: list[dict[str, Any]] = []
     runtime, calibrated_on = None, None
     for point in points:
@@ -232,7 +261,7 @@ def validate(points: list[dict[str, Any]], log=print) -> dict[str, Any]:
             rows.append({"name": point["name"], "status": f"not measured: ParallelismConfig lacks {missing}"})
             log(f"{point['name']:28s} not measured (ParallelismConfig has no {missing} on this checkout)")
             continue
-        result = measure(point)
+        result = (measured or {}).get(point["name"]) or measure(point)
         if runtime is None:
             runtime, calibrated_on = calibrate(result["measured_gib"], point), point["name"]
             log(f"calibrated the CPU runtime term on {point['name']}: {runtime:.3f} GiB")
@@ -284,10 +313,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the calibration point and three others")
     parser.add_argument("--flags", action="store_true", help="add the memory-flag points")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--only", help="comma-separated point names (the calibration point always runs first)")
+    parser.add_argument(
+        "--repredict", metavar="JSON", help="predict again from a results file's measurements (no training)"
+    )
     args = parser.parse_args(argv)
     points = list(QUICK if args.quick else GRID) + (FLAG_POINTS if args.flags else [])
+    if args.only:
+        names = set(args.only.split(","))
+        unknown = names - {p["name"] for p in GRID + FLAG_POINTS}
+        if unknown:
+            parser.error(f"unknown points {sorted(unknown)}; see GRID and FLAG_POINTS in this file")
+        points = [CALIBRATION] + [p for p in GRID + FLAG_POINTS if p["name"] in names - {CALIBRATION["name"]}]
+    measured = None
+    if args.repredict:
+        rows = json.loads(Path(args.repredict).read_text())["rows"]
+        measured = {
+            r["name"]: {"measured_gib": r["measured_gib"], "per_rank_gib": r["per_rank_gib"]}
+            for r in rows
+            if "measured_gib" in r
+        }
+        points = [p for p in points if p["name"] in measured]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    report = validate(points)
+    report = validate(points, measured=measured)
     measured = [r for r in report["rows"] if r.get("status") == "predicted"]
     worst = max((abs(r["rel_error"]) for r in measured), default=0.0)
     print(f"worst error over {len(measured)} predicted points: {100 * worst:.1f}% (tolerance {100 * TOLERANCE:.0f}%)")

@@ -75,7 +75,8 @@ class RunConfig:
     `world` ranks in all, `sp` of them split each sequence; every rank is a data-parallel rank to
     the engine (hf_longctx hides its SP axis from DeepSpeed / FSDP), so ZeRO and FSDP shard over
     `world`. `tiled_mlp` is False, True (tiles of `hidden` tokens, DeepSpeed's TiledMLP rule) or a
-    tile count. `loss_chunk_tokens` overrides the tiled loss's chunk (default: see `loss_bytes`).
+    tile count; `offload_activations` checkpoints every layer, with or without `gradient_checkpointing`.
+    `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`).
     """
 
     seq_len: int
@@ -115,12 +116,13 @@ class RunConfig:
             raise ValueError("DeepSpeed offloads parameters only with the optimizer: add --offload-optimizer.")
         if not isinstance(self.tiled_mlp, bool) and (not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 1):
             raise ValueError(f"tiled_mlp must be True/False or a tile count >= 1, got {self.tiled_mlp!r}.")
-        if self.offload_activations and not self.gradient_checkpointing:
-            raise ValueError(
-                "--offload-activations offloads the checkpointed layer inputs: add --gradient-checkpointing."
-            )
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}.")
+
+    @property
+    def checkpointing(self) -> bool:
+        """Every decoder layer is checkpointed: `offload_activations` checkpoints them itself."""
+        return self.gradient_checkpointing or self.offload_activations
 
     @property
     def act_bytes(self) -> int:
@@ -253,7 +255,7 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     layer: LayerBytes = layer_bytes(model, run, tokens, device.host_is_device)
 
     checkpoint = tokens * h * a
-    if run.gradient_checkpointing:
+    if run.checkpointing:
         resident = n_layers
         if run.offload_activations and not device.host_is_device:
             resident = min(2, n_layers)  # the layer being recomputed and the prefetched one
@@ -283,7 +285,7 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         },
         "backward": {
             "saved_activations": stored,
-            "recompute": layer.saved if run.gradient_checkpointing else 0.0,
+            "recompute": layer.saved if run.checkpointing else 0.0,
             # The gradient of the residual stream and of the layer output stay alive across the layer.
             "backward_transients": layer.backward + 2 * checkpoint,
             "all_to_all_buffers": layer.all_to_all,

@@ -16,9 +16,13 @@ from .model_shape import ModelShape, ceil_div
 if TYPE_CHECKING:
     from .planner import RunConfig
 
-# Chunked (non-fused) tiled loss: chunks of about 1 GiB of fp32 logits, the rule of DeepSpeed's
-# `TiledFusedLogitsLoss` users (ArcticTraining's SFT trainer).
-LOSS_CHUNK_FP32_BYTES = 2**30
+# hf_longctx's own tiled loss (`hf_longctx.memory.lm_head.TILE_LOGITS`): tiles of at most 2**24 logits.
+LOSS_TILE_LOGITS = 2**24
+# `tiled_mlp=True` (`hf_longctx.memory.tiled_mlp.auto_tiles`): tiles of max(hidden, 4096) tokens.
+MLP_MIN_TILE_TOKENS = 4096
+# Eager attention under hf_longctx runs per block of queries of about 2**22 score elements
+# (`hf_longctx.attention.kernels.MASK_BLOCK_ELEMENTS`, at least 64 queries).
+EAGER_BLOCK_ELEMENTS, EAGER_MIN_Q_BLOCK = 2**22, 64
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,23 @@ def kv_heads_per_rank(model: ModelShape, sp: int) -> int:
     return 1 if group % q_local == 0 else q_local
 
 
-def mlp_tile_tokens(model: ModelShape, run: RunConfig, tokens: int) -> int:
-    """Tokens per MLP tile: `tokens / tiles`, tiles = the given count or ceil(tokens / hidden)."""
+def mlp_tiles(model: ModelShape, run: RunConfig, tokens: int) -> int:
+    """MLP tiles per layer call: the given count, or ceil(tokens / max(hidden, 4096)) for True; 1 = untiled
+    (the implementation then runs the MLP as is)."""
+    if run.tiled_mlp is False:
+        return 1
     if run.tiled_mlp is True:
-        tiles = ceil_div(tokens, model.hidden)
-    else:
-        tiles = int(run.tiled_mlp)
-    return ceil_div(tokens, max(1, min(tiles, tokens)))
+        return ceil_div(tokens, max(model.hidden, MLP_MIN_TILE_TOKENS))
+    return max(1, min(int(run.tiled_mlp), tokens))
+
+
+def eager_scores(seq: int, sp: int) -> int:
+    """Score elements of one head's causal attention over `seq` tokens. transformers' eager (no SP) scores
+    the whole `[seq, seq]`; hf_longctx's runs blocks of queries against the keys up to the block's end."""
+    if sp == 1:
+        return seq * seq
+    q_block = min(seq, max(EAGER_MIN_Q_BLOCK, EAGER_BLOCK_ELEMENTS // seq))
+    return sum(min(q0 + q_block, seq) * (min(q0 + q_block, seq) - q0) for q0 in range(0, seq, q_block))
 
 
 def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> LayerBytes:
@@ -77,14 +91,15 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         # Per query and key head: the norm's input (fp32 for transformers' norm), its output and 1/rms.
         per_head = a * d + 4 if liger else (4 + a) * d + 4
         saved_attn += T * per_head * (heads + model.kv_heads)
-    quadratic = run.micro_batch * q_local * seq * seq  # score elements per layer on this rank
     shared = 0.0
     if run.attn == "eager":
+        quadratic = run.micro_batch * q_local * eager_scores(seq, sp)  # score elements per layer on this rank
         # repeat_kv expands k and v to the local query heads; softmax output in fp32 (+ its cast).
         saved_attn += a * T * heads * d * 3 + (qkv - a * T * heads * d if sp > 1 else 0)
         saved_attn += quadratic * (4 + (a if a < 4 else 0))
         saved_attn += out  # o_proj input
-        shared = run.micro_batch * seq * seq * (a + (1 if sp > 1 else 0))  # additive mask (+ boolean)
+        if sp == 1:
+            shared = run.micro_batch * seq * seq * a  # transformers' additive [seq, seq] mask, one per forward
         # Gradient of the probabilities, of the softmax input (fp32) and, in bf16, of the cast between.
         attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv
     else:
@@ -98,21 +113,21 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
             attn_bwd += 4 * T * heads * d  # flash-attn 2's fp32 dq accumulator
             if kv < q_local:
                 attn_bwd += 2 * a * T * heads * d  # dk, dv expanded to every query head
-    tiled = run.tiled_mlp is not False
+    tiles = mlp_tiles(model, run, T)
     mlp_saved_factor = 3 if liger else 4
     saved_mlp = T * norm_bytes(h, a, liger)
-    if tiled:
-        tile = mlp_tile_tokens(model, run, T)
+    if tiles > 1:
+        tile = ceil_div(T, tiles)
         mlp_fwd = a * tile * width * 3 + a * T * h
         mlp_bwd = a * tile * width * (mlp_saved_factor + (1 if liger else 2)) + a * T * h
     else:
         saved_mlp += a * T * width * mlp_saved_factor
-        mlp_fwd = a * T * width * 3 if run.gradient_checkpointing else 0.0
+        mlp_fwd = a * T * width * 3 if run.checkpointing else 0.0
         mlp_bwd = a * T * width * (1 if liger else 2)
     if model.experts:
         saved_mlp += 4 * T * model.experts  # router logits
     saved = saved_attn + saved_mlp
-    forward = max(mlp_fwd, qkv if run.gradient_checkpointing else 0.0)
+    forward = max(mlp_fwd, qkv if run.checkpointing else 0.0)
     # MLP backward runs with the whole layer saved; attention backward after the MLP's part is freed.
     backward = max(mlp_bwd, attn_bwd - saved_mlp, 0.0)
     all_to_all = qkv if sp > 1 else 0.0
@@ -125,10 +140,11 @@ def loss_bytes(model: ModelShape, run: RunConfig, tokens: int, fused: bool) -> f
     Untiled (transformers' loss): logits in the compute dtype, their fp32 upcast and the fp32
     log-probabilities in forward; in backward the log-probabilities, the NLL gradient and the
     gradient of the logits, all fp32: 12 bytes per logit. Fused (Liger's fused linear
-    cross-entropy, used on GPU when installed, and whenever Liger kernels are on): the gradient of
-    the hidden states, the LM head's gradient (+ one matmul temporary) and one chunk of
-    `next_pow2(T / ceil(V / h))` tokens' logits. Chunked (tiled loss without Liger): one chunk of
-    about 1 GiB of fp32 logits at 12 bytes per logit, plus the hidden states' gradient.
+    cross-entropy, which `tiled_loss` uses on CUDA when installed, and whenever Liger kernels are on):
+    the gradient of the hidden states, the LM head's gradient (+ one matmul temporary) and one chunk of
+    `next_pow2(T / ceil(V / h))` tokens' logits. hf_longctx's tiled loss (CPU, or no Liger): gradients
+    computed in forward and kept to backward, `[T, h]` for the hidden states and an fp32 `[V, h]` for
+    the weight, and one tile of `2**24 / V` tokens' fp32 logits (+ their cast to the compute dtype).
     """
     a, h, v, T = run.act_bytes, model.hidden, model.vocab, tokens
     fused = fused or run.liger_kernels
@@ -136,11 +152,10 @@ def loss_bytes(model: ModelShape, run: RunConfig, tokens: int, fused: bool) -> f
         chunk = min(T, _next_pow2(ceil_div(T, ceil_div(v, h))))
         return a * T * h + 2 * a * v * h + a * chunk * v
     upcast = 4 if a < 4 else 0
-    per_logit = max(a + upcast + 4, 12)
     if not run.tiled_loss:
-        return per_logit * T * v
-    chunk = run.loss_chunk_tokens or max(1, LOSS_CHUNK_FP32_BYTES // (4 * v))
-    return per_logit * min(chunk, T) * v + a * T * h
+        return max(a + upcast + 4, 12) * T * v
+    tile = run.loss_chunk_tokens or max(1, LOSS_TILE_LOGITS // v)
+    return (4 + upcast // 4 * a) * min(tile, T) * v + a * T * h + 4 * v * h
 
 
 def _next_pow2(n: int) -> int:

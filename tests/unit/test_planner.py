@@ -187,7 +187,6 @@ def test_offload_moves_states_off_the_device():
         ({"engine": "fsdp2", "offload_optimizer": True}, "fsdp2 --offload-params"),
         ({"engine": "zero2", "offload_params": True}, "zero3 or"),
         ({"engine": "zero3", "offload_params": True}, "add --offload-optimizer"),
-        ({"offload_activations": True}, "add --gradient-checkpointing"),
         ({"tiled_mlp": 0}, "tile count"),
         ({"engine": "megatron"}, "--engine"),
         ({"seq_len": 0}, "seq_len"),
@@ -248,14 +247,31 @@ def test_tiled_loss_and_tiled_mlp_shrink_their_terms():
     fused = loss_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_loss": True}), tokens, fused=True)
     assert untiled == 12 * tokens * LLAMA.vocab and fused < untiled / 40
     chunked = loss_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_loss": True}), tokens, fused=False)
-    assert fused < chunked < untiled / 10
+    # hf_longctx's tiles (2**24 logits) keep less than Liger's chunk here; both far below the full logits.
+    assert chunked < untiled / 30 and fused < untiled / 30
+    tile = 2**24 // LLAMA.vocab
+    assert chunked == 6 * tile * LLAMA.vocab + 2 * tokens * LLAMA.hidden + 4 * LLAMA.vocab * LLAMA.hidden
     plain = layer_bytes(LLAMA, base, tokens, on_cpu=False)
     tiled = layer_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_mlp": True}), tokens, on_cpu=False)
     mlp_saved = 2 * tokens * LLAMA.intermediate * 4  # gate, act, up, product in bf16
     assert plain.saved - tiled.saved == pytest.approx(mlp_saved)
     assert tiled.backward < plain.backward
+    # One tile is the MLP as is (the implementation does not wrap it), as is True below 4096 tokens.
     one_tile = layer_bytes(LLAMA, RunConfig(**{**base.__dict__, "tiled_mlp": 1}), tokens, on_cpu=False)
-    assert one_tile.backward > tiled.backward
+    assert one_tile == plain
+    short = RunConfig(**{**base.__dict__, "seq_len": 8 * 4096, "tiled_mlp": True})
+    assert layer_bytes(LLAMA, short, 4096, on_cpu=False) == layer_bytes(
+        LLAMA, RunConfig(**{**short.__dict__, "tiled_mlp": False}), 4096, on_cpu=False
+    )
+
+
+def test_offload_activations_checkpoints_every_layer_itself():
+    off = RunConfig(seq_len=65536, world=8, sp=8, engine="zero3")
+    with_gc = RunConfig(**{**off.__dict__, "gradient_checkpointing": True, "offload_activations": True})
+    alone = RunConfig(**{**off.__dict__, "offload_activations": True})
+    gpu = DEVICES["h100"]
+    assert estimate(LLAMA, alone, gpu).peak_gib == estimate(LLAMA, with_gc, gpu).peak_gib
+    assert estimate(LLAMA, alone, gpu).peak_gib < estimate(LLAMA, off, gpu).peak_gib
 
 
 def test_ulysses_kv_replication_and_buffers():
@@ -325,3 +341,30 @@ def test_validation_harness_maps_points_to_runs():
 
     fields = {f.name for f in dataclasses.fields(hf_longctx.ParallelismConfig)}
     assert missing_flags(point) == ([] if "tiled_mlp" in fields else ["tiled_mlp"])
+
+
+def test_planner_constants_follow_the_implementation():
+    from hf_longctx import planner_terms
+    from hf_longctx.attention import kernels
+    from hf_longctx.memory import lm_head, tiled_mlp
+
+    assert planner_terms.LOSS_TILE_LOGITS == lm_head.TILE_LOGITS
+    assert planner_terms.MLP_MIN_TILE_TOKENS == tiled_mlp.MIN_TILE_TOKENS
+    assert (planner_terms.EAGER_BLOCK_ELEMENTS, planner_terms.EAGER_MIN_Q_BLOCK) == (
+        kernels.MASK_BLOCK_ELEMENTS,
+        kernels.MIN_Q_BLOCK,
+    )
+    for tokens, hidden in ((100, 64), (4096, 256), (4097, 256), (131072, 4096), (131073, 8192)):
+        shape = ModelShape.from_config(
+            {
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": 4 * hidden,
+                "vocab_size": 1000,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+            }
+        )
+        run = RunConfig(seq_len=tokens, tiled_mlp=True)
+        assert planner_terms.mlp_tiles(shape, run, tokens) == tiled_mlp.auto_tiles(tokens, hidden)
