@@ -72,7 +72,8 @@ def eager_scores(seq: int, sp: int) -> int:
     if sp == 1:
         return seq * seq
     q_block = min(seq, max(EAGER_MIN_Q_BLOCK, EAGER_BLOCK_ELEMENTS // seq))
-    return sum(min(q0 + q_block, seq) * (min(q0 + q_block, seq) - q0) for q0 in range(0, seq, q_block))
+    full, rest = divmod(seq, q_block)  # block k (0-based) scores q_block x (k + 1) * q_block; the rest x seq
+    return q_block * q_block * full * (full + 1) // 2 + rest * seq
 
 
 def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> LayerBytes:
@@ -155,7 +156,7 @@ def loss_bytes(model: ModelShape, run: RunConfig, tokens: int, fused: bool) -> f
     if not run.tiled_loss:
         return max(a + upcast + 4, 12) * T * v
     tile = run.loss_chunk_tokens or max(1, LOSS_TILE_LOGITS // v)
-    return (4 + upcast // 4 * a) * min(tile, T) * v + a * T * h + 4 * v * h
+    return (4 + (a if a < 4 else 0)) * min(tile, T) * v + a * T * h + 4 * v * h
 
 
 def _next_pow2(n: int) -> int:

@@ -368,3 +368,13 @@ def test_planner_constants_follow_the_implementation():
         )
         run = RunConfig(seq_len=tokens, tiled_mlp=True)
         assert planner_terms.mlp_tiles(shape, run, tokens) == tiled_mlp.auto_tiles(tokens, hidden)
+
+
+@pytest.mark.parametrize("seq", [37, 2048, 5000, 65536, 100003])
+def test_eager_scores_count_the_blocks_the_kernel_runs(seq):
+    from hf_longctx.attention.kernels import plan_blocks
+    from hf_longctx.planner_terms import eager_scores
+
+    blocks = plan_blocks([(0, seq)], 0, None, always_mask=True, max_elements=2**22)
+    assert eager_scores(seq, sp=2) == sum((b.q1 - b.q0) * (b.q1 - b.k0) for b in blocks)
+    assert eager_scores(seq, sp=1) == seq * seq
