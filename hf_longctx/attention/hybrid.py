@@ -23,7 +23,7 @@ from ..ring_comm import RingComm
 from .kernels import SequenceContext, attention_chunk_size
 from .ring import RingSpec, ring_attention
 from .ring_plan import VisibilityRule, plan_ring
-from .ulysses import _exchange_qkv, head_layout
+from .ulysses import exchange_qkv, head_layout
 
 
 def check_ring_model(config: Any, model: torch.nn.Module) -> None:
@@ -130,7 +130,7 @@ def hybrid_attention(
     q, k, v = query, key, value
     order = None
     if u > 1:
-        q, k, v = _exchange_qkv(query, key, value, head_layout(num_heads, key.shape[1], u), ulysses)
+        q, k, v = exchange_qkv(query, key, value, head_layout(num_heads, key.shape[1], u), ulysses)
         order = _sort_order(context, layout, sp_world_size, u, ring.rank)
         if order is not None:
             q, k, v = (t.index_select(2, order[0]) for t in (q, k, v))  # [bs, hc / U, sl_l * U, hs] sorted

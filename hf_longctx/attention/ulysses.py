@@ -115,7 +115,7 @@ class _ConfigView:
         return getattr(self._config, name)
 
 
-def _exchange_qkv(
+def exchange_qkv(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: HeadLayout, groups: SequenceParallelGroups
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`."""
@@ -176,7 +176,7 @@ def ulysses_attention(
             f"{tuple(context.position_ids.shape)}: build the batch with hf_longctx.shard_batch."
         )
     layout = head_layout(num_heads, key.shape[1], ws)
-    q, k, v = _exchange_qkv(query, key, value, layout, groups)
+    q, k, v = exchange_qkv(query, key, value, layout, groups)
     heads = slice(groups.sp_rank * layout.q_local, (groups.sp_rank + 1) * layout.q_local)
     kernel_kwargs = dict(kwargs)
     for name in PER_HEAD_KWARGS:
