@@ -335,7 +335,9 @@ def max_seq_len(model: ModelShape, run: RunConfig, device: DeviceProfile, limit:
     """The longest sequence length (a multiple of `run.sp`) whose plan fits; 0 if none does.
 
     The peak grows monotonically with the sequence length, so a bisection over multiples of sp finds
-    the boundary in about 35 evaluations.
+    the boundary in about 35 evaluations. One exception: with `tiled_mlp=True` the MLP runs whole up to
+    max(hidden, 4096) tokens per rank and tiled above, so the peak steps down once there; when
+    lengths just below that step do not fit but longer ones do, the answer depends on where the search lands.
     """
 
     def fits(units: int) -> bool:

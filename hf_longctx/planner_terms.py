@@ -11,18 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .attention.kernels import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
+from .memory.lm_head import tile_tokens
+from .memory.tiled_mlp import auto_tiles
 from .model_shape import ModelShape, ceil_div
 
 if TYPE_CHECKING:
     from .planner import RunConfig
-
-# hf_longctx's own tiled loss (`hf_longctx.memory.lm_head.TILE_LOGITS`): tiles of at most 2**24 logits.
-LOSS_TILE_LOGITS = 2**24
-# `tiled_mlp=True` (`hf_longctx.memory.tiled_mlp.auto_tiles`): tiles of max(hidden, 4096) tokens.
-MLP_MIN_TILE_TOKENS = 4096
-# Eager attention under hf_longctx runs per block of queries of about 2**22 score elements
-# (`hf_longctx.attention.kernels.MASK_BLOCK_ELEMENTS`, at least 64 queries).
-EAGER_BLOCK_ELEMENTS, EAGER_MIN_Q_BLOCK = 2**22, 64
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,7 @@ def mlp_tiles(model: ModelShape, run: RunConfig, tokens: int) -> int:
     if run.tiled_mlp is False:
         return 1
     if run.tiled_mlp is True:
-        return ceil_div(tokens, max(model.hidden, MLP_MIN_TILE_TOKENS))
+        return auto_tiles(tokens, model.hidden)
     return max(1, min(int(run.tiled_mlp), tokens))
 
 
@@ -71,7 +66,7 @@ def eager_scores(seq: int, sp: int) -> int:
     the whole `[seq, seq]`; hf_longctx's runs blocks of queries against the keys up to the block's end."""
     if sp == 1:
         return seq * seq
-    q_block = min(seq, max(EAGER_MIN_Q_BLOCK, EAGER_BLOCK_ELEMENTS // seq))
+    q_block = min(seq, max(MIN_Q_BLOCK, MASK_BLOCK_ELEMENTS // seq))  # as `kernels.plan_blocks`
     full, rest = divmod(seq, q_block)  # block k (0-based) scores q_block x (k + 1) * q_block; the rest x seq
     return q_block * q_block * full * (full + 1) // 2 + rest * seq
 
@@ -155,7 +150,7 @@ def loss_bytes(model: ModelShape, run: RunConfig, tokens: int, fused: bool) -> f
     upcast = 4 if a < 4 else 0
     if not run.tiled_loss:
         return max(a + upcast + 4, 12) * T * v
-    tile = run.loss_chunk_tokens or max(1, LOSS_TILE_LOGITS // v)
+    tile = run.loss_chunk_tokens or tile_tokens(v)
     return (4 + (a if a < 4 else 0)) * min(tile, T) * v + a * T * h + 4 * v * h
 
 
