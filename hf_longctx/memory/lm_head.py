@@ -89,6 +89,49 @@ def gathered(*params: torch.Tensor | None) -> Iterator[None]:
         yield
 
 
+def _cross_entropy_tile(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+) -> torch.Tensor:
+    """Summed cross-entropy of one tile; its gradients are written to `grad_h` (this tile's rows) and added
+    to `grad_w` / `grad_b` (each None when not wanted). A function of its own so that the tile's
+    `[tokens, vocab]` buffer is freed on return, before the next tile's is allocated."""
+    z = _tile_logits(h, weight, bias, transform)  # [n, vocab]
+    valid = y != IGNORE_INDEX
+    target = y.clamp(min=0).unsqueeze(1)
+    wants_grad = grad_h is not None or grad_w is not None or grad_b is not None
+    dz_draw = transform.derivative(z) if wants_grad else 1.0
+    # One pass of exp, in place: e = exp(z - max), lse = max + log(sum e), softmax = e / sum e.
+    z_target = z.gather(1, target)
+    peak = z.amax(dim=-1, keepdim=True)
+    e = z.sub_(peak).exp_()
+    sum_e = e.sum(dim=-1, keepdim=True)
+    lse = peak + sum_e.log()
+    total = torch.where(valid, (lse - z_target).squeeze(1), 0.0).sum()
+    if not wants_grad:
+        return total
+    # d CE / d z = softmax(z) - onehot(y), zero on ignored tokens; computed in place.
+    grad_raw = e.div_(sum_e)
+    grad_raw.scatter_add_(1, target, torch.full(target.shape, -1.0, device=z.device))
+    if not bool(valid.all()):
+        grad_raw[~valid] = 0.0
+    if not (isinstance(dz_draw, float) and dz_draw == 1.0):
+        grad_raw.mul_(dz_draw)
+    if grad_h is not None:
+        torch.mm(grad_raw.to(h.dtype), weight.to(h.dtype), out=grad_h)
+    if grad_w is not None:
+        grad_w.addmm_(grad_raw.t(), h.float())
+    if grad_b is not None:
+        grad_b += grad_raw.sum(0)
+    return total
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     """Sum of token cross-entropies of `transform(hidden @ weight.T + bias)`; gradients in forward."""
 
@@ -100,34 +143,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for part in _tiles(hidden.shape[0], tile):
-            h, y = hidden[part], labels[part]
-            z = _tile_logits(h, weight, bias, transform)  # [n, vocab]
-            valid = y != IGNORE_INDEX
-            target = y.clamp(min=0).unsqueeze(1)
-            dz_draw = transform.derivative(z) if need_h or need_w or need_b else 1.0
-            # One pass of exp, in place: e = exp(z - max), lse = max + log(sum e), softmax = e / sum e.
-            z_target = z.gather(1, target)
-            peak = z.amax(dim=-1, keepdim=True)
-            e = z.sub_(peak).exp_()
-            sum_e = e.sum(dim=-1, keepdim=True)
-            lse = peak + sum_e.log()
-            total += torch.where(valid, (lse - z_target).squeeze(1), 0.0).sum()
-            if not (need_h or need_w or need_b):
-                continue
-            # d CE / d z = softmax(z) - onehot(y), zero on ignored tokens; computed in place.
-            grad_raw = e.div_(sum_e)
-            grad_raw.scatter_add_(1, target, torch.full(target.shape, -1.0, device=z.device))
-            if not bool(valid.all()):
-                grad_raw[~valid] = 0.0
-            if not (isinstance(dz_draw, float) and dz_draw == 1.0):
-                grad_raw.mul_(dz_draw)
-            g = grad_raw.to(h.dtype)
-            if need_h:
-                grad_h[part] = g @ weight.to(h.dtype)
-            if need_w:
-                grad_w.addmm_(grad_raw.t(), h.float())
-            if need_b:
-                grad_b += grad_raw.sum(0)
+            rows = grad_h[part] if grad_h is not None else None
+            total += _cross_entropy_tile(hidden[part], labels[part], weight, bias, transform, rows, grad_w, grad_b)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
@@ -195,6 +212,52 @@ def attach(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
 STAT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
+def _stats_tile(h, target, weight, bias, transform, log_probs, log_z, entropy, lssp, mean, top1) -> None:
+    """One tile of `_LinearTokenStats.forward`, written into the output rows given (None = not wanted); a
+    function of its own so that the tile's `[tokens, vocab]` buffers are freed before the next tile's."""
+    z = _tile_logits(h, weight, bias, transform)
+    if mean is not None:
+        mean.copy_(z.mean(-1))
+    if top1 is not None:
+        top1.copy_(z.argmax(-1) == target)  # first maximum wins, like TRL's kernel
+    peak = z.amax(dim=-1)
+    e = (z - peak.unsqueeze(1)).exp_()  # the one exp pass: e = exp(z - max)
+    sum_e = e.sum(-1)
+    lse = peak + sum_e.log()
+    log_z.copy_(lse)
+    log_probs.copy_(z.gather(1, target.unsqueeze(1)).squeeze(1) - lse)
+    if lssp is not None:
+        # log sum p^2 = 2 log ||e|| - 2 log sum e (a norm: no tile-sized temporary, unlike e * e)
+        lssp.copy_(2 * (torch.linalg.vector_norm(e, dim=-1).log() - sum_e.log()))
+    entropy.copy_(lse - z.mul_(e).sum(-1) / sum_e)  # H = lse - sum p z; z is not needed after this
+
+
+def _stats_grad_tile(h, target, weight, bias, transform, lse, entropy, g_lp, g_ent, grad_h, grad_w, grad_b) -> None:
+    """One tile of `_LinearTokenStats.backward`: recompute the tile's logits and add its gradients."""
+    z = _tile_logits(h, weight, bias, transform)
+    dz_draw = transform.derivative(z)
+    lse = lse.unsqueeze(1)
+    p = (z - lse).exp_()
+    # d log p_y / d z_j = 1[j = y] - p_j;  d H / d z_j = -p_j (log p_j + H). Together, in place on z:
+    # grad_z = -p * (g_lp + g_ent * (z - lse + H)), then + g_lp at the label.
+    if g_ent is not None:
+        grad_z = z.sub_(lse - entropy.unsqueeze(1)).mul_(g_ent.unsqueeze(1))
+        if g_lp is not None:
+            grad_z.add_(g_lp.unsqueeze(1))
+    else:
+        grad_z = z.copy_(g_lp.unsqueeze(1).expand_as(z))
+    grad_z.mul_(p).neg_()
+    if g_lp is not None:
+        grad_z.scatter_add_(1, target.unsqueeze(1), g_lp.unsqueeze(1))
+    grad_raw = grad_z.mul_(dz_draw) if not isinstance(dz_draw, float) or dz_draw != 1.0 else grad_z
+    if grad_h is not None:
+        grad_h += grad_raw.to(h.dtype) @ weight.to(h.dtype)
+    if grad_w is not None:
+        grad_w.addmm_(grad_raw.t(), h.float())
+    if grad_b is not None:
+        grad_b += grad_raw.sum(0)
+
+
 class _LinearTokenStats(torch.autograd.Function):
     """Per-token log p(label), entropy (both differentiable), log sum p^2, mean logit, label is argmax."""
 
@@ -209,20 +272,8 @@ class _LinearTokenStats(torch.autograd.Function):
         top1 = torch.zeros(n, dtype=torch.bool, device=hidden.device) if "is_top1" in wanted else None
         target = labels.clamp(min=0)
         for part in _tiles(n, tile):
-            z = _tile_logits(hidden[part], weight, bias, transform)
-            if mean is not None:
-                mean[part] = z.mean(-1)
-            if top1 is not None:
-                top1[part] = z.argmax(-1) == target[part]  # first maximum wins, like TRL's kernel
-            peak = z.amax(dim=-1)
-            e = (z - peak.unsqueeze(1)).exp_()  # the one exp pass: e = exp(z - max)
-            sum_e = e.sum(-1)
-            lse = peak + sum_e.log()
-            log_z[part] = lse
-            log_probs[part] = z.gather(1, target[part].unsqueeze(1)).squeeze(1) - lse
-            if lssp is not None:  # log sum p^2 = log sum e^2 - 2 log sum e
-                lssp[part] = torch.linalg.vecdot(e, e).log() - 2 * sum_e.log()
-            entropy[part] = lse - torch.linalg.vecdot(e, z) / sum_e  # H = lse - sum p z
+            rows = [t[part] if t is not None else None for t in (log_probs, log_z, entropy, lssp, mean, top1)]
+            _stats_tile(hidden[part], target[part], weight, bias, transform, *rows)
         ctx.save_for_backward(hidden, weight, bias, labels, log_z, entropy)
         ctx.transform, ctx.tile = transform, tile
         valid = labels != IGNORE_INDEX
@@ -246,34 +297,26 @@ class _LinearTokenStats(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         valid = labels != IGNORE_INDEX
-        target = labels.clamp(min=0).unsqueeze(1)
+        target = labels.clamp(min=0)
         with gathered(weight, bias):
             for part in _tiles(hidden.shape[0], ctx.tile):
-                h = hidden[part]
-                z = _tile_logits(h, weight, bias, ctx.transform)
-                dz_draw = ctx.transform.derivative(z)
-                lse = log_z[part].unsqueeze(1)
-                p = (z - lse).exp_()
-                # d log p_y / d z_j = 1[j = y] - p_j;  d H / d z_j = -p_j (log p_j + H). Together, in place on z:
-                # grad_z = -p * (g_lp + g_ent * (z - lse + H)), then + g_lp at the label.
                 g_lp = torch.where(valid[part], grad_lp[part].float(), 0.0) if grad_lp is not None else None
                 g_ent = torch.where(valid[part], grad_ent[part].float(), 0.0) if grad_ent is not None else None
-                if g_ent is not None:
-                    grad_z = z.sub_(lse - entropy[part].unsqueeze(1)).mul_(g_ent.unsqueeze(1))
-                    if g_lp is not None:
-                        grad_z.add_(g_lp.unsqueeze(1))
-                else:
-                    grad_z = z.copy_(g_lp.unsqueeze(1).expand_as(z))
-                grad_z.mul_(p).neg_()
-                if g_lp is not None:
-                    grad_z.scatter_add_(1, target[part], g_lp.unsqueeze(1))
-                grad_raw = grad_z.mul_(dz_draw) if not isinstance(dz_draw, float) or dz_draw != 1.0 else grad_z
-                if need_h:
-                    grad_h[part] = grad_raw.to(h.dtype) @ weight.to(h.dtype)
-                if need_w:
-                    grad_w.addmm_(grad_raw.t(), h.float())
-                if need_b:
-                    grad_b += grad_raw.sum(0)
+                rows = grad_h[part] if grad_h is not None else None
+                _stats_grad_tile(
+                    hidden[part],
+                    target[part],
+                    weight,
+                    bias,
+                    ctx.transform,
+                    log_z[part],
+                    entropy[part],
+                    g_lp,
+                    g_ent,
+                    rows,
+                    grad_w,
+                    grad_b,
+                )
         return (
             grad_h.to(hidden.dtype) if grad_h is not None else None,
             grad_w.to(weight.dtype) if grad_w is not None else None,

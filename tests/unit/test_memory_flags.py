@@ -10,6 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from hf_longctx import ParallelismConfig
 from hf_longctx.memory import apply_memory_flags, lm_head, offload
@@ -209,6 +212,49 @@ def test_linear_cross_entropy_matches_torch_with_bias_scale_softcap_and_ignored_
     total = linear_cross_entropy_sum(hidden, weight, bias, none, tile=4)
     grads = torch.autograd.grad(total, (hidden, weight))
     assert total.item() == 0.0 and all(bool((g == 0).all()) for g in grads)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of storages created inside the block that were alive at once (after each aten op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(size for _, size in self.live.values()))
+        return out
+
+
+def test_loss_tiles_hold_one_tile_of_logits_at_a_time():
+    """A tile's [tokens, vocab] buffers are freed before the next tile's exist (the planner counts one tile)."""
+    g = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab, tile = 96, 4, 4096, 16
+    hidden = torch.randn(n, hidden_size, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    tile_bytes = tile * vocab * 4
+    # Hidden-state and weight gradients (kept from forward), and one weight-gradient-sized matmul temporary.
+    gradient_bytes = (n + 2 * vocab) * hidden_size * 4
+    with LiveBytes() as mode:
+        total = linear_cross_entropy_sum(hidden, weight, None, labels, tile=tile)
+    assert mode.peak <= tile_bytes + gradient_bytes + tile_bytes // 4, (mode.peak, tile_bytes)
+    total.backward()
+    # TRL's fields: the tile's logits and their exp (two buffers) in forward and in backward.
+    for phase in ("forward", "backward"):
+        with LiveBytes() as mode:
+            stats = linear_token_stats(hidden, weight, None, labels, tile=tile)
+            if phase == "backward":
+                mode.peak = 0
+                (stats["log_probs"].sum() + stats["entropy"].sum()).backward()
+        assert mode.peak <= 2 * tile_bytes + gradient_bytes + tile_bytes // 4, (phase, mode.peak, tile_bytes)
 
 
 def test_unsupported_logits_raise_a_value_error_naming_the_flag():
