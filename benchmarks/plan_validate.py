@@ -9,9 +9,11 @@
 Every point is one real optimizer step of a tiny random-init Llama (float32, sdpa or eager) through the
 stock `transformers.Trainer` (AdamW, DDP on gloo for SP = 2, hf_longctx SP through
 `parallelism_config=hf_longctx.ParallelismConfig(...)`), in fresh spawned processes (`tests/_dist.py`).
-Each rank measures the peak resident memory (`hf_longctx.instrument.PeakMemorySampler`, 1 ms sampling)
-from just before the model is built to the end of `trainer.train()`, minus the resident memory at that
-start: the model, its gradients, the AdamW states, the step's activations and every runtime buffer.
+Each rank measures its peak resident memory from just before the model is built to the end of
+`trainer.train()` (the kernel's high-water mark `VmHWM`, reset at that start through `/proc/self/clear_refs`;
+`benchmarks.worker.StepMemory`), minus the resident memory at that start: the model, its gradients, the
+AdamW states, the step's activations and every runtime buffer. A sampling thread would miss peaks that
+last less than its interval: with the memory flags the peak is one MLP tile's backward, a few ms long.
 
 The planner predicts the same quantity with `--gpu cpu`. Its one free number, the CPU runtime term (what
 the Trainer, accelerate, gloo and autograd add beyond tensors), is calibrated once from the first point of
@@ -170,7 +172,7 @@ def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str)
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator
 
     import hf_longctx
-    from hf_longctx.instrument import PeakMemorySampler
+    from benchmarks.worker import StepMemory
 
     seq_len = point["seq_len"]
     vocab = model_config(point)["vocab_size"]
@@ -179,9 +181,16 @@ def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str)
     rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     flags = point.get("flags", {})
     parallelism = hf_longctx.ParallelismConfig(sp_size=point["sp"], **flags) if point["sp"] > 1 or flags else None
+    if world_size == 1:
+        # A single process, as the planner's `--world 1` means: no process group, so no DDP wrapper and no
+        # DDP gradient buckets (accelerate wraps even one rank in DDP when a process group exists).
+        torch.distributed.destroy_process_group()
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
     gc.collect()
-    start = PeakMemorySampler.rss()
-    with PeakMemorySampler(0.001) as sampler:
+    memory = StepMemory(cuda=False)
+    start = memory.begin()
+    try:
         config = LlamaConfig(
             **model_config(point),
             max_position_embeddings=seq_len,
@@ -208,7 +217,10 @@ def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str)
         )
         trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
         output = trainer.train()
-    return {"peak_bytes": sampler.peak - start, "loss": output.training_loss}
+    finally:
+        peak = memory.end()
+    wrapper = type(trainer.model_wrapped).__name__
+    return {"peak_bytes": peak - start, "loss": output.training_loss, "method": memory.method, "wrapper": wrapper}
 
 
 def spawn(world: int, worker, *args: Any, timeout: float = 600.0) -> list[Any]:
@@ -232,7 +244,7 @@ def spawn(world: int, worker, *args: Any, timeout: float = 600.0) -> list[Any]:
 def gib_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The peak over ranks and each rank's, in GiB."""
     per_rank = [r["peak_bytes"] / 2**30 for r in ranks]
-    return {"measured_gib": max(per_rank), "per_rank_gib": per_rank}
+    return {"measured_gib": max(per_rank), "per_rank_gib": per_rank, "wrapper": ranks[0].get("wrapper")}
 
 
 def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -273,6 +285,7 @@ def validate(
             "point": point,
             "measured_gib": round(result["measured_gib"], 4),
             "per_rank_gib": [round(x, 4) for x in result["per_rank_gib"]],
+            "wrapper": result.get("wrapper"),
             "predicted_gib": plan.peak_gib,
             "rel_error": round(error, 4),
             "peak_phase": plan.peak_phase,
@@ -281,7 +294,7 @@ def validate(
         rows.append(row)
         log(
             f"{point['name']:28s} measured {row['measured_gib']:.3f} GiB  predicted {plan.peak_gib:.3f} GiB  "
-            f"error {100 * error:+.1f}%  ({plan.peak_phase}, {plan.dominant})"
+            f"error {100 * error:+.1f}%  ({plan.peak_phase}, {plan.dominant}; model wrapped in {row['wrapper']})"
         )
     report = {"runtime_gib": runtime, "calibrated_on": calibrated_on, "tolerance": TOLERANCE, "model": MODEL}
     return {**report, "rows": rows}

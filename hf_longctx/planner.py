@@ -209,6 +209,23 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
     }
 
 
+def backward_gradient_bytes(model: ModelShape, states: dict[str, float]) -> tuple[float, float]:
+    """Gradient bytes at the first and at the last layer of the backward.
+
+    Buffers allocated before the step (DeepSpeed's flat gradients, DDP's buckets) are there throughout;
+    torch's `param.grad` (DDP, FSDP2; the Trainer zeroes with `set_to_none=True`) appear as backward
+    reaches each parameter: the LM head's and the final norm's first, then one layer at a time, and the
+    input embedding's last (one matrix when tied, whose gradient the LM head already started).
+    """
+    persistent = states["gradients_persistent"]
+    created = states["gradients"] - persistent
+    n = model.num_params()
+    head = model.vocab * model.hidden + model.hidden
+    first = min(n, head + model.layer_params()) / n
+    last = (n - (0 if model.tied_embeddings else model.vocab * model.hidden)) / n
+    return persistent + created * first, persistent + created * last
+
+
 def gather_bytes(model: ModelShape, run: RunConfig, phase: str) -> float:
     """Unsharded parameters (and their full-size gradients before reduce-scatter) in a phase.
 
@@ -255,22 +272,31 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     layer: LayerBytes = layer_bytes(model, run, tokens, device.host_is_device)
 
     checkpoint = tokens * h * a
-    if run.checkpointing:
-        resident = n_layers
-        if run.offload_activations and not device.host_is_device:
-            resident = min(2, n_layers)  # the layer being recomputed and the prefetched one
-        elif run.offload_activations:
-            notes.append("on the CPU, offloaded activations stay in the same memory: no saving")
-        stored = resident * checkpoint
-        if resident < n_layers:
-            host = _gib((n_layers - resident) * checkpoint)
-            notes.append(f"{n_layers - resident} checkpointed layer inputs ({host} GiB) live on the host")
-    else:
-        stored = n_layers * layer.saved
-    stored += layer.shared
+    per_layer = checkpoint if run.checkpointing else layer.saved  # what each layer keeps until its backward
+    resident = n_layers
+    if run.checkpointing and run.offload_activations and not device.host_is_device:
+        resident = min(2, n_layers)  # the layer being recomputed and the prefetched one
+    elif run.offload_activations:
+        notes.append("on the CPU, offloaded activations stay in the same memory: no saving")
+    if resident < n_layers:
+        host = _gib((n_layers - resident) * checkpoint)
+        notes.append(f"{n_layers - resident} checkpointed layer inputs ({host} GiB) live on the host")
+    stored = resident * per_layer + layer.shared
+    # The backward at its last layer: only layer 0's saved tensors (or input) are left.
+    stored_last = per_layer + layer.shared
     final_norm = tokens * norm_bytes(h, a, run.liger_kernels)
     logits = loss_bytes(model, run, tokens, fused=run.tiled_loss and not device.host_is_device)
 
+    # The backward at its first layer (every layer's activations; the gradients of the LM head and one layer)
+    # and at its last (layer 0's activations; every gradient but the input embedding's): both grow or shrink
+    # linearly with the layers done, so the larger of the two is the backward's peak.
+    layer_backward = {
+        "recompute": layer.saved if run.checkpointing else 0.0,
+        # The gradient of the residual stream and of the layer output stay alive across the layer.
+        "backward_transients": layer.backward + 2 * checkpoint,
+        "all_to_all_buffers": layer.all_to_all,
+        "zero3_gathers": gather_bytes(model, run, "backward"),
+    }
     phases: dict[str, dict[str, float]] = {
         "forward": {
             "saved_activations": stored,
@@ -283,23 +309,20 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
             "logits_loss": logits,
             "zero3_gathers": gather_bytes(model, run, "loss"),
         },
-        "backward": {
-            "saved_activations": stored,
-            "recompute": layer.saved if run.checkpointing else 0.0,
-            # The gradient of the residual stream and of the layer output stay alive across the layer.
-            "backward_transients": layer.backward + 2 * checkpoint,
-            "all_to_all_buffers": layer.all_to_all,
-            "zero3_gathers": gather_bytes(model, run, "backward"),
-        },
+        "backward": {"saved_activations": stored, **layer_backward},
+        "backward_last": {"saved_activations": stored_last, **layer_backward},
         "optimizer": {},
     }
+    grads_first, grads_last = backward_gradient_bytes(model, states)
+    gradients = {"forward": states["gradients_persistent"], "loss": states["gradients_persistent"]}
+    gradients.update(backward=grads_first, backward_last=grads_last, optimizer=states["gradients"])
     totals: dict[str, float] = {}
     detail: dict[str, dict[str, float]] = {}
     for phase, dynamic in phases.items():
         terms = dict.fromkeys(TERMS, 0.0)
         terms["parameters"] = states["parameters"]
         terms["optimizer_states"] = states["optimizer_states"]
-        terms["gradients"] = states["gradients" if phase in ("backward", "optimizer") else "gradients_persistent"]
+        terms["gradients"] = gradients[phase]
         offloaded = run.offload_optimizer or (run.offload_params and run.engine == "fsdp2")
         if phase == "optimizer" and not offloaded and not device.host_is_device:
             # One temporary the size of the local optimizer partition: DeepSpeed's fp32 gradient
@@ -313,6 +336,9 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         terms["allocator_runtime_overhead"] = device.runtime_gib * GIB + device.fragmentation * activations
         detail[phase] = terms
         totals[phase] = sum(terms.values())
+    last_total, last_terms = totals.pop("backward_last"), detail.pop("backward_last")
+    if last_total > totals["backward"]:
+        totals["backward"], detail["backward"] = last_total, last_terms
     peak_phase = max(totals, key=totals.get)
     breakdown = {k: _gib(v) for k, v in detail[peak_phase].items()}
     peak = totals[peak_phase] / GIB
