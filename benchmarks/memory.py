@@ -14,8 +14,9 @@ Sections (tiny Llama: hidden 256, 2 layers, 8 query / 2 key-value heads of 32, M
    of the variants (A B C D, D C B A, ...). Peak resident memory per rank (the process high-water mark, worst
    rank) and step time (median over measured steps and repeats).
 2. `packed`: rows of 16 documents x 1,024 tokens (positions restart), vocabulary 1,024 (so attention, not the
-   loss, dominates), `Trainer`, hf_longctx (per-document attention, no flags) vs upstream; the first step's
-   loss of each against the per-document reference (each document alone, same weights).
+   loss, dominates), `Trainer`, hf_longctx (per-document attention) without flags, with `tiled_loss` only
+   ("loss") and with the three flags vs upstream; the first step's loss of each against the per-document
+   reference (each document alone, same weights).
 3. `longest`: the longest row that trains one optimizer step at SP=2 with every rank's peak resident memory
    within `--budget-gib` (vocabulary 32,768): upstream on a ladder of lengths, hf_longctx with the flags from
    4x upstream's longest upward, doubling, up to `--max-seq`.
@@ -49,6 +50,7 @@ VARIANTS = {
     "off": ("hf_longctx", {}, False),
     "ckpt": ("hf_longctx", {}, True),
     "flags": ("hf_longctx", FLAGS, False),
+    "loss": ("hf_longctx", {"tiled_loss": True}, False),
     "upstream": ("upstream", {}, False),
 }
 SECTIONS = ("flags", "packed", "longest")
@@ -111,13 +113,14 @@ def run_all(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
         return record
 
     seq, steps, warmup = args.seq_len, args.steps, 1
-    order = list(VARIANTS)
+    order = ["off", "ckpt", "flags", "upstream"]
     for rep in range(args.repeats if "flags" in args.sections else 0):  # section 1: order reversed every repeat
         for trainer in args.trainers:
             for variant in order if rep % 2 == 0 else order[::-1]:
                 go(dict(spec(variant, trainer, seq, 32 * K, steps, warmup), section="flags", rep=rep))
+    packed_order = ["off", "loss", "flags", "upstream"]
     for rep in range(args.repeats if "packed" in args.sections else 0):  # section 2
-        for variant in ("off", "upstream") if rep % 2 == 0 else ("upstream", "off"):
+        for variant in packed_order if rep % 2 == 0 else packed_order[::-1]:
             extra = {"data": "packed", "doc_len": args.doc_len}
             go(dict(spec(variant, "trainer", seq, K, steps, warmup, **extra), section="packed", rep=rep))
     if "longest" not in args.sections:

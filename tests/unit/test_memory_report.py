@@ -36,6 +36,7 @@ def test_summary_medians_ratios_and_ladder():
         _record("flags", "trainer", "flags", 16384, [9.0, 11.0, 11.0], [1.0, 1.2]),
         _record("flags", "trainer", "upstream", 16384, [9.0, 20.0, 20.0], [4.0, 4.0]),
         _record("packed", "trainer", "off", 16384, [1.0, 2.0], [1.0, 1.0], loss=5.0, ref=5.0),
+        _record("packed", "trainer", "flags", 16384, [1.0, 3.0], [0.5, 0.5], loss=5.0, ref=5.0),
         _record("packed", "trainer", "upstream", 16384, [1.0, 8.0], [2.0, 2.0], loss=4.0, ref=5.0),
         _record("longest", "trainer", "upstream", 4096, [5.0], [1.5], warmup=0),
         _record("longest", "trainer", "upstream", 8192, [5.0], [2.5], warmup=0),
@@ -50,11 +51,15 @@ def test_summary_medians_ratios_and_ladder():
     ratios = summary["ratios"]
     assert abs(ratios["trainer_peak_flags_over_upstream"] - 1.2 / 4.0) < 1e-9
     assert abs(ratios["packed_time_over_upstream"] - 0.25) < 1e-9
+    assert abs(ratios["packed_flags_time_over_upstream"] - 3.0 / 8.0) < 1e-9
+    assert ratios["packed_flags_peak_over_upstream"] == 0.25
     assert summary["longest"] == {"upstream": 4096, "flags": 32768}
     assert ratios["longest_ours_over_upstream"] == 8.0
     assert ratios["sft_peak_flags_over_upstream"] is None
     assert summary["failures"] == ["longest flags trainer S=65536: timeout"]
     text = render_markdown(_data(records)["meta"], summary)
-    assert "trainer_peak_flags_over_upstream: 0.300 (target <= 0.35: reached)" in text
-    assert "packed_peak_over_upstream: 0.500 (target <= 1.0: reached)" in text
+    assert "trainer_peak_flags_over_upstream: 0.3000 (target <= 0.35: reached)" in text
+    assert "packed_peak_over_upstream: 0.5000 (target <= 1.0: reached)" in text
+    assert "packed_flags_peak_over_upstream: 0.2500 (target <= 1.0: reached)" in text
+    assert "| hf_longctx, flags | 0.500 |" in text
     assert "sft_time_flags_over_off" not in text  # not measured: left out
