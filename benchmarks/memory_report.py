@@ -194,7 +194,7 @@ def plot(summary: dict[str, Any], prefix: str) -> list[str]:
     cells, paths = summary["cells"], []
     groups = [("flags", "trainer"), ("flags", "sft"), ("packed", "trainer")]
     for key, label, name in (("peak_gib", "peak resident GiB per rank", "peak"), ("step_s", "step time (s)", "time")):
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(10, 4))
         xs, heights, colors, ticks = [], [], [], []
         palette = {
             "off": "tab:blue",
@@ -211,7 +211,7 @@ def plot(summary: dict[str, Any], prefix: str) -> list[str]:
                     xs.append(x)
                     heights.append(c[key])
                     colors.append(palette[variant])
-                    ticks.append(f"{section}/{trainer}\n{variant}")
+                    ticks.append(f"{'packed' if section == 'packed' else trainer}\n{variant}")
                     x += 1
             x += 0.5
         ax.bar(xs, heights, color=colors)

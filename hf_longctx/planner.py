@@ -64,7 +64,7 @@ DEVICES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile("h100", 81559 / 1024, 1.5, 0.05),
     "h200": DeviceProfile("h200", 143771 / 1024, 1.5, 0.05),
     "a100-80": DeviceProfile("a100-80", 81920 / 1024, 1.5, 0.05),
-    "cpu": DeviceProfile("cpu", 0.0, 0.076, 0.0, host_is_device=True),
+    "cpu": DeviceProfile("cpu", 0.0, 0.052, 0.0, host_is_device=True),
 }
 
 
