@@ -244,7 +244,13 @@ def spawn(world: int, worker, *args: Any, timeout: float = 600.0) -> list[Any]:
 def gib_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The peak over ranks and each rank's, in GiB."""
     per_rank = [r["peak_bytes"] / 2**30 for r in ranks]
-    return {"measured_gib": max(per_rank), "per_rank_gib": per_rank, "wrapper": ranks[0].get("wrapper")}
+    first = ranks[0]
+    return {
+        "measured_gib": max(per_rank),
+        "per_rank_gib": per_rank,
+        "wrapper": first.get("wrapper"),
+        "method": first.get("method"),
+    }
 
 
 def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -286,6 +292,7 @@ def validate(
             "measured_gib": round(result["measured_gib"], 4),
             "per_rank_gib": [round(x, 4) for x in result["per_rank_gib"]],
             "wrapper": result.get("wrapper"),
+            "method": result.get("method"),
             "predicted_gib": plan.peak_gib,
             "rel_error": round(error, 4),
             "peak_phase": plan.peak_phase,

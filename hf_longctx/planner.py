@@ -174,9 +174,10 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
     optimizer (2 + 2 + 12 bytes per parameter). bf16 on FSDP2: accelerate keeps fp32 sharded weights
     for mixed precision (4 + 4 + 8). bf16 on DDP: the weights as loaded in bf16 (what the recipes do),
     so AdamW's m and v are bf16 too (2 + 2 + 4), plus DDP's bucket copy of the gradients when there is
-    more than one rank. fp32: 4 + 4 + 8. Returns `gradients` (backward and optimizer step) and
-    `gradients_persistent` (forward and loss): DeepSpeed's flat gradient buffers and DDP's bucket copy
-    live through the whole step, torch's `param.grad` only from backward on (`zero_grad(set_to_none=True)`).
+    more than one rank. fp32: 4 + 4 + 8. Returns `gradients` (all of them: the optimizer step),
+    `gradients_persistent` (forward and loss: DeepSpeed's flat gradient buffers and DDP's bucket copy
+    live through the whole step, torch's `param.grad` only from backward on, `zero_grad(set_to_none=True)`;
+    during backward see `backward_gradient_bytes`).
     """
     n, w = model.num_params(), run.world
     deepspeed = run.engine.startswith("zero")
@@ -215,7 +216,8 @@ def backward_gradient_bytes(model: ModelShape, states: dict[str, float]) -> tupl
     Buffers allocated before the step (DeepSpeed's flat gradients, DDP's buckets) are there throughout;
     torch's `param.grad` (DDP, FSDP2; the Trainer zeroes with `set_to_none=True`) appear as backward
     reaches each parameter: the LM head's and the final norm's first, then one layer at a time, and the
-    input embedding's last (one matrix when tied, whose gradient the LM head already started).
+    input embedding's last (one matrix when tied, whose gradient the LM head already started). FSDP2's
+    sharded gradients are counted here; its unsharded LM-head gradient is in `gather_bytes`.
     """
     persistent = states["gradients_persistent"]
     created = states["gradients"] - persistent
@@ -232,7 +234,8 @@ def gather_bytes(model: ModelShape, run: RunConfig, phase: str) -> float:
     ZeRO-3 keeps up to `stage3_max_live_parameters` gathered; FSDP2 holds its root module (embedding,
     LM head) unsharded through forward and backward plus the current and the prefetched layer. In the
     loss phase the LM head's full gradient, in the backward phase one layer's, exists before it is
-    reduce-scattered.
+    reduce-scattered; under FSDP2 the LM head's full gradient stays through the whole backward (the root
+    module reduce-scatters when the backward ends).
     """
     if run.engine not in ("zero3", "fsdp2") or (run.world == 1 and not run.offload_params):
         return 0.0
@@ -246,7 +249,8 @@ def gather_bytes(model: ModelShape, run: RunConfig, phase: str) -> float:
     if phase == "loss":
         return live + head * p
     if phase == "backward":
-        return live + model.layer_params() * p
+        root_grad = head * p if run.engine == "fsdp2" else 0.0
+        return live + model.layer_params() * p + root_grad
     return live if phase == "forward" else 0.0
 
 

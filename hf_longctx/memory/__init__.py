@@ -5,7 +5,7 @@ model it prepares, with or without SP). Per rank holding `n` tokens of hidden si
 `V`, MLP width `I` and `L` decoder layers (the planner models exactly this):
 
 - `tiled_loss`: no `[n, V]` logits in a training forward; the loss holds one tile of
-  `lm_head.TILE_LOGITS` (2**24) float32 logits plus about two more buffers of that size, and keeps
+  `lm_head.TILE_LOGITS` (2**24) float32 logits at a time (two for TRL's fused-head fields), and keeps
   `[n, h]` hidden-state gradients and a `[V, h]` float32 weight gradient from forward to backward.
 - `tiled_mlp`: an MLP keeps only its input `[n, h]`; backward recomputes `[n / tiles, I]`
   intermediates one tile at a time (`tiles = ceil(n / max(h, 4096))` by default).

@@ -23,8 +23,9 @@ import torch
 
 from ..data.sharding import IGNORE_INDEX
 
-# Logits per tile: 2**24 (64 MiB in float32). Each tile holds about three buffers of this size
-# (logits, exp, gradient), so the loss adds ~200 MiB whatever the sequence length or vocabulary.
+# Logits per tile: 2**24 (64 MiB in float32). The loss works on one such buffer in place (exp and
+# gradient overwrite the logits; TRL's fields keep a second one for exp), so it adds ~64-128 MiB
+# whatever the sequence length or vocabulary.
 TILE_LOGITS = 2**24
 
 
@@ -124,7 +125,7 @@ def _cross_entropy_tile(
     if not (isinstance(dz_draw, float) and dz_draw == 1.0):
         grad_raw.mul_(dz_draw)
     if grad_h is not None:
-        torch.mm(grad_raw.to(h.dtype), weight.to(h.dtype), out=grad_h)
+        grad_h.copy_(grad_raw.to(h.dtype) @ weight.to(h.dtype))  # not mm(out=): out= ops skip autocast
     if grad_w is not None:
         grad_w.addmm_(grad_raw.t(), h.float())
     if grad_b is not None:

@@ -219,8 +219,11 @@ class TiledLossHandle:
             ctx = torch.autocast(hidden.device.type, enabled=False) if fp32 else nullcontext()
             with ctx, gathered(weight, bias):
                 states = hidden.reshape(-1, hidden.shape[-1])
+                if fp32:  # TRL runs its head in float32 outside autocast: the weight is cast too
+                    states, weight = states.float(), weight.float()
+                    bias = bias.float() if bias is not None else None
                 stats = linear_token_stats(
-                    states.float() if fp32 else states,
+                    states,
                     weight,
                     bias,
                     targets.reshape(-1),

@@ -317,3 +317,33 @@ def test_fused_head_defers_to_trl_when_its_settings_are_unreadable(monkeypatch):
         theirs = model(**batch, fused_lm_head=True)
     assert calls == [1]
     torch.testing.assert_close(ours.log_probs, theirs.log_probs, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_head_in_float32_on_a_bfloat16_model_matches_trl():
+    """`cast_lm_head_to_fp32=True` on bf16 weights: the head runs in float32 with the weight cast, as TRL's."""
+    import trl.trainer.utils as trl_utils
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_longctx import _compat
+
+    batch = _batch(shift=False)
+    results = []
+    for ours in (True, False):
+        model = tiny_model("llama").to(torch.bfloat16)
+        add_fused_lm_head(model, cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
+        calls = []
+        original = trl_utils._ChunkedLogProbFunction.apply
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda *a, _o=original: calls.append(1) or _o(*a))
+            if not ours:
+                mp.setattr(_compat, "trl_fused_head_settings", lambda forward: None)
+            with apply_memory_flags(model, SimpleNamespace(tiled_loss=True)):
+                out = model(**batch, fused_lm_head=True)
+                (out.loss + 0.1 * out.entropy.sum()).backward()
+        assert calls == ([] if ours else [1])
+        assert out.log_probs.dtype == torch.float32
+        results.append((out, model.lm_head.weight.grad.float()))
+    (got, got_grad), (ref, ref_grad) = results
+    torch.testing.assert_close(got.log_probs, ref.log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, ref_grad, rtol=2e-2, atol=1e-3)
