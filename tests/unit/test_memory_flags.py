@@ -334,7 +334,7 @@ def test_fused_head_in_float32_on_a_bfloat16_model_matches_trl():
         calls = []
         original = trl_utils._ChunkedLogProbFunction.apply
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda *a, _o=original: calls.append(1) or _o(*a))
+            mp.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda *a, _o=original, _c=calls: _c.append(1) or _o(*a))
             if not ours:
                 mp.setattr(_compat, "trl_fused_head_settings", lambda forward: None)
             with apply_memory_flags(model, SimpleNamespace(tiled_loss=True)):
