@@ -334,7 +334,8 @@ def test_fused_head_in_float32_on_a_bfloat16_model_matches_trl():
         calls = []
         original = trl_utils._ChunkedLogProbFunction.apply
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(trl_utils._ChunkedLogProbFunction, "apply", lambda *a, _o=original, _c=calls: _c.append(1) or _o(*a))
+            counted = lambda *a, _o=original, _c=calls: _c.append(1) or _o(*a)  # noqa: E731
+            mp.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted)
             if not ours:
                 mp.setattr(_compat, "trl_fused_head_settings", lambda forward: None)
             with apply_memory_flags(model, SimpleNamespace(tiled_loss=True)):
