@@ -90,6 +90,18 @@ def gathered(*params: torch.Tensor | None) -> Iterator[None]:
         yield
 
 
+def _add_head_grads(grad_z, dz_draw, h, weight, grad_h, grad_w, grad_b) -> None:
+    """Chain a tile's logit gradient `grad_z` (in place) through the logit transform and the LM head into
+    `grad_h` (this tile's rows), `grad_w` and `grad_b` (each None when not wanted)."""
+    grad_raw = grad_z if isinstance(dz_draw, float) and dz_draw == 1.0 else grad_z.mul_(dz_draw)
+    if grad_h is not None:
+        grad_h += grad_raw.to(h.dtype) @ weight.to(h.dtype)
+    if grad_w is not None:
+        grad_w.addmm_(grad_raw.t(), h.float())
+    if grad_b is not None:
+        grad_b += grad_raw.sum(0)
+
+
 def _cross_entropy_tile(
     h: torch.Tensor,
     y: torch.Tensor,
@@ -100,8 +112,8 @@ def _cross_entropy_tile(
     grad_w: torch.Tensor | None,
     grad_b: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Summed cross-entropy of one tile; its gradients are written to `grad_h` (this tile's rows) and added
-    to `grad_w` / `grad_b` (each None when not wanted). A function of its own so that the tile's
+    """Summed cross-entropy of one tile; its gradients are added to `grad_h` (this tile's rows), `grad_w`
+    and `grad_b` (each None when not wanted). A function of its own so that the tile's
     `[tokens, vocab]` buffer is freed on return, before the next tile's is allocated."""
     z = _tile_logits(h, weight, bias, transform)  # [n, vocab]
     valid = y != IGNORE_INDEX
@@ -122,14 +134,7 @@ def _cross_entropy_tile(
     grad_raw.scatter_add_(1, target, torch.full(target.shape, -1.0, device=z.device))
     if not bool(valid.all()):
         grad_raw[~valid] = 0.0
-    if not (isinstance(dz_draw, float) and dz_draw == 1.0):
-        grad_raw.mul_(dz_draw)
-    if grad_h is not None:
-        grad_h.copy_(grad_raw.to(h.dtype) @ weight.to(h.dtype))  # not mm(out=): out= ops skip autocast
-    if grad_w is not None:
-        grad_w.addmm_(grad_raw.t(), h.float())
-    if grad_b is not None:
-        grad_b += grad_raw.sum(0)
+    _add_head_grads(grad_raw, dz_draw, h, weight, grad_h, grad_w, grad_b)
     return total
 
 
@@ -139,7 +144,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, transform, tile):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -250,13 +255,7 @@ def _stats_grad_tile(h, target, weight, bias, transform, lse, entropy, g_lp, g_e
     grad_z.mul_(p).neg_()
     if g_lp is not None:
         grad_z.scatter_add_(1, target.unsqueeze(1), g_lp.unsqueeze(1))
-    grad_raw = grad_z.mul_(dz_draw) if not isinstance(dz_draw, float) or dz_draw != 1.0 else grad_z
-    if grad_h is not None:
-        grad_h += grad_raw.to(h.dtype) @ weight.to(h.dtype)
-    if grad_w is not None:
-        grad_w.addmm_(grad_raw.t(), h.float())
-    if grad_b is not None:
-        grad_b += grad_raw.sum(0)
+    _add_head_grads(grad_z, dz_draw, h, weight, grad_h, grad_w, grad_b)
 
 
 class _LinearTokenStats(torch.autograd.Function):
