@@ -74,7 +74,7 @@ def default_model_and_data(seq_len: int, windows: int = 100) -> tuple[Any, Any]:
 
     100 windows: a 300-step run crosses two epoch boundaries (a fresh sampler pass and loader iterator each).
     """
-    from hf_longctx.defaults import gpt2_tokenizer, tiny_llama, window_dataset
+    from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama, window_dataset
 
     tok = gpt2_tokenizer()
     return tiny_llama(tok, num_hidden_layers=2), window_dataset(tok, seq_len, max_windows=windows)

@@ -93,7 +93,7 @@ def _install_standin(label: str) -> str:
 def sp_step(rank: int, world_size: int, label: str, dtype_name: str, device: str) -> tuple[float, dict]:
     """One step through hf_longctx at SP=world_size (run_distributed worker, or in-process for SP=1)."""
     import hf_longctx
-    from hf_longctx.comm import all_reduce_sum
+    from hf_longctx.distributed.comm import all_reduce_sum
 
     attn = _install_standin(label)
     groups = (

@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_longctx.model_shape import load_model_shape
 from hf_longctx.planner import DEVICES, RunConfig, estimate, max_seq_len
+from hf_longctx.planner.model_shape import load_model_shape
 
 HF = "HF Ulysses blog"
 ALST = "ALST (arXiv:2506.13996)"

@@ -147,8 +147,8 @@ def run_config(point: dict[str, Any]):
 
 def predict(point: dict[str, Any], runtime_gib: float):
     """The planner's CPU plan for a point, with the given runtime term."""
-    from hf_longctx.model_shape import ModelShape
     from hf_longctx.planner import DEVICES, estimate
+    from hf_longctx.planner.model_shape import ModelShape
 
     shape = ModelShape.from_config({"model_type": "llama", **model_config(point)}, name="tiny-llama")
     device = dataclasses.replace(DEVICES["cpu"], runtime_gib=runtime_gib, capacity_gib=1e9)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from accelerate.parallelism_config import ParallelismConfig as _AccelerateParallelismConfig
 
-from .attention.backends import BACKENDS as OUR_BACKENDS
-from .attention.ring import VARIANTS as RING_VARIANTS
-from .data.layout import LAYOUTS as RING_LAYOUTS
-from .groups import validate_sp_size
+from hf_longctx.attention.backends import BACKENDS as OUR_BACKENDS
+from hf_longctx.attention.ring.attention import VARIANTS as RING_VARIANTS
+from hf_longctx.data.layout import LAYOUTS as RING_LAYOUTS
+from hf_longctx.distributed.groups import validate_sp_size
 
 UPSTREAM_BACKENDS = ("deepspeed",)
 
@@ -128,7 +128,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         """accelerate's mesh without an SP axis: our SP groups are built by `SequenceParallelGroups`."""
         if self.sp_upstream:
             return super().build_device_mesh(device_type)
-        from .trainer import sp_hidden
+        from hf_longctx.integrations.trainer import sp_hidden
 
         with sp_hidden(self):
             return super().build_device_mesh(device_type)
@@ -137,7 +137,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         """Called by `Accelerator.__init__`: validate, then hook hf_longctx SP into that accelerator."""
         if self.sp_upstream:
             return super()._validate_accelerator(accelerator)
-        from .trainer import attach, sp_hidden
+        from hf_longctx.integrations.trainer import attach, sp_hidden
 
         with sp_hidden(self):
             if accelerator.is_fsdp2 and self.dp_shard_size == 1 and self.dp_replicate_size == 1:

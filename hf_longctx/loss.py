@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import all_reduce_sum
-from .data.sharding import IGNORE_INDEX
-from .groups import SequenceParallelGroups
+from hf_longctx.data.sharding import IGNORE_INDEX
+from hf_longctx.distributed.comm import all_reduce_sum
+from hf_longctx.distributed.groups import SequenceParallelGroups
 
 
 class _GroupSum(torch.autograd.Function):

@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, TrlParser
 
 import hf_longctx
-from hf_longctx.callbacks import ThroughputCallback
-from hf_longctx.defaults import gpt2_tokenizer, tiny_llama, window_dataset
-from hf_longctx.report import compare_runs, plot_loss_curves
-from hf_longctx.trainer import sp_state
+from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama, window_dataset
+from hf_longctx.instrument.curves import compare_runs, plot_loss_curves
+from hf_longctx.integrations.trainer import sp_state
+from hf_longctx.integrations.trainer.callbacks import ThroughputCallback
 
 
 @dataclass

@@ -40,7 +40,7 @@ PRELOAD = [
     "accelerate",
     "datasets",
     "hf_longctx",
-    "hf_longctx.trainer",
+    "hf_longctx.integrations.trainer",
     "tests._models",
     "tests.dist._trainer_utils",
 ]

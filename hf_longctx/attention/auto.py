@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cost import ring_bytes, ulysses_bytes
-from .ulysses import head_layout
+from hf_longctx.attention.cost import ring_bytes, ulysses_bytes
+from hf_longctx.attention.ulysses import head_layout
 
 # Nominal one-direction bandwidth per GPU in GB/s (public figures: NVLink 4 on H100 900 GB/s both
 # directions; PCIe 5.0 x16 ~64 GB/s both; NDR InfiniBand 400 Gb/s per GPU).

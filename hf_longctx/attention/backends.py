@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..data.layout import check_layout
-from .auto import choose_backend
-from .ring import check_variant
-from .ulysses import check_heads
+from hf_longctx.attention.auto import choose_backend
+from hf_longctx.attention.ring.attention import check_variant
+from hf_longctx.attention.ulysses import check_heads
+from hf_longctx.data.layout import check_layout
 
 BACKENDS = ("ulysses", "ring", "hybrid", "auto")
 

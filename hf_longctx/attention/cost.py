@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ulysses import head_layout
+from hf_longctx.attention.ulysses import head_layout
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..data.sharding import document_starts
+from hf_longctx.data.sharding import document_starts
 
 FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 SUPPORTED_KERNELS = ("sdpa", "eager", "flex_attention", *FLASH_KERNELS)
@@ -154,7 +154,7 @@ class SequenceContext:
         `[sl, sl]` mask as `create_block_mask` would."""
         key = ("block", sliding_window, chunk)
         if key not in self._cache:
-            from .block_mask import segment_block_mask
+            from hf_longctx.attention.block_mask import segment_block_mask
 
             segment_ids = self.segment_starts(chunk).cumsum(dim=1)
             self._cache[key] = segment_block_mask(segment_ids, sliding_window)

@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..comm import all_gather_sequence
-from ..data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
-from ..data.layout import LAYOUT_KEY, to_global_order
-from ..data.validation import ModelLimits
-from ..groups import SequenceParallelGroups
-from ..ring_comm import ring_of
-from .auto import detect_link
-from .backends import SPBackend, resolve_backend
-from .hybrid import check_ring_model, hybrid_attention
-from .kernels import SequenceContext, kernel_family
-from .ulysses import ulysses_attention
+from hf_longctx import _compat
+from hf_longctx.attention.auto import detect_link
+from hf_longctx.attention.backends import SPBackend, resolve_backend
+from hf_longctx.attention.kernels import SequenceContext, kernel_family
+from hf_longctx.attention.ring.hybrid import check_ring_model, hybrid_attention
+from hf_longctx.attention.ulysses import ulysses_attention
+from hf_longctx.data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
+from hf_longctx.data.layout import LAYOUT_KEY, to_global_order
+from hf_longctx.data.validation import ModelLimits
+from hf_longctx.distributed.comm import all_gather_sequence
+from hf_longctx.distributed.groups import SequenceParallelGroups
+from hf_longctx.distributed.ring_comm import ring_of
 
 logger = logging.getLogger(__name__)
 

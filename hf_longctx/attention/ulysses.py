@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..comm import all_to_all
-from ..groups import SequenceParallelGroups
-from .kernels import SequenceContext, attend, attention_chunk_size
+from hf_longctx.attention.kernels import SequenceContext, attend, attention_chunk_size
+from hf_longctx.distributed.comm import all_to_all
+from hf_longctx.distributed.groups import SequenceParallelGroups
 
 
 def valid_sp_sizes(num_heads: int) -> list[int]:

@@ -6,9 +6,9 @@ entry is `python -m hf_longctx.check --worker SPEC`), recomputes the step at SP=
 with the plain model and compares the loss and every gradient (`report.py`).
 """
 
-from .command import EXIT_FAIL, EXIT_INVALID, EXIT_PASS, add_arguments, run
-from .model import MAX_VOCAB, make_batch, reference_step, shrink_config
-from .report import compare, verdict
+from hf_longctx.check.command import EXIT_FAIL, EXIT_INVALID, EXIT_PASS, add_arguments, run
+from hf_longctx.check.model import MAX_VOCAB, make_batch, reference_step, shrink_config
+from hf_longctx.check.report import compare, verdict
 
 __all__ = [
     "EXIT_FAIL",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .command import add_arguments, run
-from .worker import worker_main
+from hf_longctx.check.command import add_arguments, run
+from hf_longctx.check.worker import worker_main
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .model import (
+from hf_longctx.check.model import (
     SEED,
     build_model,
     head_counts,
@@ -28,8 +28,8 @@ from .model import (
     shrink_config,
     valid_labels_per_rank,
 )
-from .report import TOP_K, compare, verdict
-from .worker import FAULTS, WorkerSpec, kill, launch, log_tail
+from hf_longctx.check.report import TOP_K, compare, verdict
+from hf_longctx.check.worker import FAULTS, WorkerSpec, kill, launch, log_tail
 
 EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -118,11 +118,11 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         input (bad options, no config, unsupported model, heads not divisible by `--sp`), in
         which case nothing is launched.
     """
-    from ..attention.backends import resolve_backend
-    from ..attention.hybrid import check_ring_model
-    from ..attention.registry import enable_sequence_parallel
-    from ..data.layout import pad_multiple
-    from ..groups import SequenceParallelGroups
+    from hf_longctx.attention.backends import resolve_backend
+    from hf_longctx.attention.registry import enable_sequence_parallel
+    from hf_longctx.attention.ring.hybrid import check_ring_model
+    from hf_longctx.data.layout import pad_multiple
+    from hf_longctx.distributed.groups import SequenceParallelGroups
 
     out = emit or (lambda line: print(line, flush=True))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

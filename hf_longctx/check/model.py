@@ -216,7 +216,7 @@ def make_batch(vocab_size: int, seq_len: int, batch_size: int, packed: bool, see
 
 def step(model: torch.nn.Module, shard: dict[str, Any], groups: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward, SP loss and backward on one shard; returns the loss and this rank's gradients."""
-    from ..loss import sequence_parallel_loss
+    from hf_longctx.loss import sequence_parallel_loss
 
     model.zero_grad(set_to_none=True)
     shift_labels = shard.pop("shift_labels")
@@ -244,9 +244,9 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     truth packing stands for, whether or not the model's own mask code detects packed rows (some
     ignore `position_ids` and would attend across documents).
     """
-    from ..data.sharding import document_starts, shard_batch_for_rank
-    from ..groups import SequenceParallelGroups
-    from ..loss import sequence_parallel_loss
+    from hf_longctx.data.sharding import document_starts, shard_batch_for_rank
+    from hf_longctx.distributed.groups import SequenceParallelGroups
+    from hf_longctx.loss import sequence_parallel_loss
 
     full = shard_batch_for_rank(batch, 0, 1)
     ids, pos, shift_labels = full["input_ids"], full["position_ids"], full["shift_labels"]
@@ -264,7 +264,7 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
 
 def valid_labels_per_rank(batch: Mapping[str, torch.Tensor], sp: int, layout: str = "contiguous") -> list[int]:
     """Number of valid shift labels in each SP rank's shard (pure; what the workers will see)."""
-    from ..data.sharding import IGNORE_INDEX, shard_batch_for_rank
+    from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch_for_rank
 
     shards = [shard_batch_for_rank(batch, r, sp, layout=layout) for r in range(sp)]
     return [int((shard["shift_labels"] != IGNORE_INDEX).sum()) for shard in shards]

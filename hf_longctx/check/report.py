@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import StepResult
+from hf_longctx.check.model import StepResult
 
 TOP_K = 5
 

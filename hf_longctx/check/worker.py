@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .model import build_model, make_batch, step, weights_sha256
+from hf_longctx.check.model import build_model, make_batch, step, weights_sha256
 
 # Self-test faults of the checker. "skip-positions": workers feed shard-local position ids
 # (0..S/K-1 on every rank) instead of the global ones, which breaks RoPE and the causal mask.
@@ -76,10 +76,10 @@ def worker_main(spec_path: str) -> None:
     """
     import torch.distributed as dist
 
-    from ..attention.registry import enable_sequence_parallel
-    from ..comm import all_gather_object, all_reduce_sum, barrier
-    from ..data.consistency import shard_batch
-    from ..groups import SequenceParallelGroups
+    from hf_longctx.attention.registry import enable_sequence_parallel
+    from hf_longctx.data.consistency import shard_batch
+    from hf_longctx.distributed.comm import all_gather_object, all_reduce_sum, barrier
+    from hf_longctx.distributed.groups import SequenceParallelGroups
 
     spec = WorkerSpec.load(spec_path)
     Path(spec.pid_dir, f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))

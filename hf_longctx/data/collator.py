@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY, batch_signature
-from .layout import LAYOUT_KEY, LayoutSlot
-from .sharding import shard_batch_for_rank
+from hf_longctx.data.consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY, batch_signature
+from hf_longctx.data.layout import LAYOUT_KEY, LayoutSlot
+from hf_longctx.data.sharding import shard_batch_for_rank
 
 
 class SequenceShardingCollator:

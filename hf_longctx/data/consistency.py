@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ..comm import all_gather_stacked
-from ..groups import SequenceParallelGroups
-from .layout import LAYOUT_KEY
-from .sharding import shard_batch_for_rank
-from .validation import ModelLimits, check_inputs, shard_summary
+from hf_longctx.data.layout import LAYOUT_KEY
+from hf_longctx.data.sharding import shard_batch_for_rank
+from hf_longctx.data.validation import ModelLimits, check_inputs, shard_summary
+from hf_longctx.distributed.comm import all_gather_stacked
+from hf_longctx.distributed.groups import SequenceParallelGroups
 
 _SIGNATURE_FIELDS = ("keys/dtypes/shapes", "batch size", "sequence length", "input_ids checksum")
 # A batch may carry its full-batch signature under this key; the model pre-hook pops and checks it.

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .layout import layout_indices, pad_multiple
-from .validation import check_batch_layout
+from hf_longctx.data.layout import layout_indices, pad_multiple
+from hf_longctx.data.validation import check_batch_layout
 
 IGNORE_INDEX = -100
 # Padding-free metadata describes the *global* sequence; the attention rebuilds it from the

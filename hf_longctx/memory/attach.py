@@ -1,6 +1,6 @@
 """Memory flags without sequence parallelism: apply them to every model an accelerator prepares.
 
-With `sp_size > 1` the SP integration (`hf_longctx.trainer`) applies them next to SP attention;
+With `sp_size > 1` the SP integration (`hf_longctx.integrations.trainer`) applies them next to SP attention;
 with `sp_size == 1` it calls `attach_memory_flags(config, accelerator)` instead, which wraps only
 that accelerator's `prepare` / `prepare_model` (instance attributes, undone by `detach_memory_flags`).
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import MemoryHandle, apply_memory_flags, memory_flags_enabled
+from hf_longctx.memory.flags import MemoryHandle, apply_memory_flags, memory_flags_enabled
 
 STATE_ATTR = "_hf_longctx_memory"
 

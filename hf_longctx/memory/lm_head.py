@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.sharding import IGNORE_INDEX
+from hf_longctx.data.sharding import IGNORE_INDEX
 
 # Logits per tile: 2**24 (64 MiB in float32). The loss works on one such buffer in place (exp and
 # gradient overwrite the logits; TRL's fields keep a second one for exp), so it adds ~64-128 MiB

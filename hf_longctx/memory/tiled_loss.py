@@ -34,9 +34,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import _compat
-from ..data.sharding import IGNORE_INDEX
-from .lm_head import LogitTransform, attach, gathered, linear_cross_entropy_sum, linear_token_stats, tile_tokens
+from hf_longctx import _compat
+from hf_longctx.data.sharding import IGNORE_INDEX
+from hf_longctx.memory.lm_head import (
+    LogitTransform,
+    attach,
+    gathered,
+    linear_cross_entropy_sum,
+    linear_token_stats,
+    tile_tokens,
+)
 
 logger = logging.getLogger(__name__)
 LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch")

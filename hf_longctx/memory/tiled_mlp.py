@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ..comm import all_reduce_max
+from hf_longctx.distributed.comm import all_reduce_max
 
 logger = logging.getLogger(__name__)
 

@@ -124,7 +124,7 @@ def train_job(
     callbacks: list[Any] = []
     if zero3 == "universal" and sp == 1:
         # Under SP hf_longctx adds it; without SP the job adds it, as the README says.
-        callbacks.append(hf_longctx.trainer.UniversalCheckpointFix())
+        callbacks.append(hf_longctx.integrations.trainer.UniversalCheckpointFix())
     if fault is not None and fault["rank"] == rank:
         callbacks.append(FaultInjector(model, fault, os.path.join(out_dir, f"fault-rank{rank}")))
     trainer = Trainer(

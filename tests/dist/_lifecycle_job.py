@@ -61,7 +61,7 @@ def main(out: str) -> Trainer:
     trainer.train()
     trainer.evaluate(U.dataset("eval", 5))
     trainer.predict(U.dataset("eval", 5))
-    hf_longctx.trainer.detach(trainer)
+    hf_longctx.integrations.trainer.detach(trainer)
     counts["detached"] = live_groups()
     second = make_trainer(out)
     counts["second"] = live_groups()

@@ -20,8 +20,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_longctx
 from hf_longctx.attention.registry import _HANDLE_ATTR
-from hf_longctx.comm import all_gather_sequence
 from hf_longctx.data.sharding import prepare_global_batch
+from hf_longctx.distributed.comm import all_gather_sequence
 from tests import _flash_standin as flash_standin
 from tests._models import tiny_model
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 import hf_longctx
-from hf_longctx.attention.hybrid import hybrid_attention
 from hf_longctx.attention.kernels import SequenceContext
+from hf_longctx.attention.ring.hybrid import hybrid_attention
 from hf_longctx.data.layout import layout_indices
-from hf_longctx.ring_comm import ring_of
+from hf_longctx.distributed.ring_comm import ring_of
 
 
 @dataclass(frozen=True)

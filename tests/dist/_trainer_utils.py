@@ -258,7 +258,7 @@ def run_trainer(
             result["predict"]["mean_logit"] = out.predictions[1].tolist()
     result["memory"] = memory_flags_active(model)
     # detach() gives the model back for single-process use: its own attention, no pre-hook.
-    hf_longctx.trainer.detach(trainer)
+    hf_longctx.integrations.trainer.detach(trainer)
     result["attn_after_detach"] = model.config._attn_implementation
     result["hooks_after_detach"] = sum(
         type(getattr(hook, "__self__", None)).__name__ == "SequenceParallelHandle"

@@ -18,7 +18,7 @@ def test_demo_sp2_matches_single_device():
         "--nproc_per_node",
         "2",
         "-m",
-        "hf_longctx.demo",
+        "hf_longctx.cli.demo",
         "--steps",
         "2",
         "--seq-len",

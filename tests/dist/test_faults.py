@@ -198,9 +198,9 @@ def timeouts_worker(rank: int, world_size: int, out_dir: str) -> dict[str, float
         )
         trainer = Trainer(model=tiny_model("llama"), args=args)
         trainer.get_total_train_batch_size(args)  # what train() calls first
-        state = hf_longctx.trainer.sp_state(trainer)
+        state = hf_longctx.integrations.trainer.sp_state(trainer)
         out[name] = [seconds(None), seconds(state.groups.sp_group), seconds(state.groups.dp_group)]
-        hf_longctx.trainer.detach(trainer)
+        hf_longctx.integrations.trainer.detach(trainer)
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_longctx
-from hf_longctx.comm import all_reduce_sum
+from hf_longctx.distributed.comm import all_reduce_sum
 from tests._dist import run_distributed
 from tests._models import tiny_model
 

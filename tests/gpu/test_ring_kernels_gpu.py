@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.attention.lse_kernels import lse_dtype, select_kernel
-from hf_longctx.attention.ring_plan import VisibilityRule, fix_empty_rows, merge_block, plan_ring
+from hf_longctx.attention.ring.lse_kernels import lse_dtype, select_kernel
+from hf_longctx.attention.ring.plan import VisibilityRule, fix_empty_rows, merge_block, plan_ring
 from hf_longctx.data.layout import layout_indices
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ from hf_longctx import ParallelismConfig
 from hf_longctx.attention.auto import choose_backend
 from hf_longctx.attention.backends import resolve_backend
 from hf_longctx.attention.cost import hybrid_bytes, ring_bytes, ulysses_bytes
-from hf_longctx.groups import hybrid_rank_grid
+from hf_longctx.distributed.groups import hybrid_rank_grid
 from hf_longctx.instrument import ulysses_min_bytes
 
 

@@ -1,4 +1,5 @@
-"""Every collective goes through `hf_longctx.comm`, which puts tensors on a device the group's backend takes.
+"""Every collective goes through `hf_longctx.distributed.comm`, which puts tensors on a device
+the group's backend takes.
 
 NCCL only accepts CUDA tensors (a CPU signature tensor failed the custom loop on GPU); gloo takes CPU ones.
 The rule is a pure function of the backend string, tested here without a process group or a GPU.
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import hf_longctx
-from hf_longctx import comm
+from hf_longctx.distributed import comm
 
 PACKAGE = Path(hf_longctx.__file__).parent
 COLLECTIVES = {

@@ -13,7 +13,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 
 import hf_longctx
 from hf_longctx import ParallelismConfig, SequenceParallelGroups
-from hf_longctx.groups import validate_sp_size
+from hf_longctx.distributed.groups import validate_sp_size
 from tests._dist import REPO_ROOT
 
 ENV_VARS = (
@@ -181,7 +181,7 @@ def test_import_changes_nothing():
 def test_deepspeed_backend_keeps_accelerate_behaviour(monkeypatch):
     from accelerate.parallelism_config import ParallelismConfig as Upstream
 
-    import hf_longctx.trainer
+    import hf_longctx.integrations.trainer
 
     config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
     # accelerate builds no mesh for DeepSpeed SP (DeepSpeed makes its own groups) ...
@@ -189,6 +189,6 @@ def test_deepspeed_backend_keeps_accelerate_behaviour(monkeypatch):
     # ... and validation is accelerate's own: hf_longctx attaches nothing to the accelerator.
     calls = []
     monkeypatch.setattr(Upstream, "_validate_accelerator", lambda self, acc: calls.append("upstream"))
-    monkeypatch.setattr(hf_longctx.trainer, "attach", lambda *a: calls.append("attach"))
+    monkeypatch.setattr(hf_longctx.integrations.trainer, "attach", lambda *a: calls.append("attach"))
     config._validate_accelerator(object())
     assert calls == ["upstream"]

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from hf_longctx import defaults
-from hf_longctx.defaults import (
+from hf_longctx.data import defaults
+from hf_longctx.data.defaults import (
     HELD_OUT,
     gpt2_tokenizer,
     load_corpus,

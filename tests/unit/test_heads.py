@@ -100,7 +100,7 @@ def test_head_layout_rejects_bad_counts():
 
 
 class _FakeCollective:
-    """All-to-all across threads with the semantics documented in `hf_longctx.comm.all_to_all`."""
+    """All-to-all across threads with the semantics documented in `hf_longctx.distributed.comm.all_to_all`."""
 
     def __init__(self, world: int) -> None:
         self.world = world

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.model_shape import load_model_shape
 from hf_longctx.planner import DEVICES, RunConfig, estimate, max_seq_len
+from hf_longctx.planner.model_shape import load_model_shape
 
 QWEN_128K = ["plan", "--model", "qwen3-4b", "--seq-len", "131072", "--world", "4", "--sp", "4"]
 

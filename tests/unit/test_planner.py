@@ -24,7 +24,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from hf_longctx.model_shape import ModelShape, load_model_shape, shipped_model_names
 from hf_longctx.planner import (
     DEVICES,
     GIB,
@@ -34,7 +33,8 @@ from hf_longctx.planner import (
     max_seq_len,
     model_state_bytes,
 )
-from hf_longctx.planner_terms import layer_bytes, loss_bytes, norm_bytes
+from hf_longctx.planner.model_shape import ModelShape, load_model_shape, shipped_model_names
+from hf_longctx.planner.terms import layer_bytes, loss_bytes, norm_bytes
 
 H100, CPU = DEVICES["h100"], DEVICES["cpu"].with_capacity(1e6)
 LLAMA = load_model_shape("llama3.1-8b")
@@ -348,7 +348,7 @@ def test_validation_harness_maps_points_to_runs():
 @pytest.mark.parametrize("seq", [37, 2048, 5000, 65536, 100003])
 def test_eager_scores_count_the_blocks_the_kernel_runs(seq):
     from hf_longctx.attention.kernels import plan_blocks
-    from hf_longctx.planner_terms import eager_scores
+    from hf_longctx.planner.terms import eager_scores
 
     blocks = plan_blocks([(0, seq)], 0, None, always_mask=True, max_elements=2**22)
     assert eager_scores(seq, sp=2) == sum((b.q1 - b.q0) * (b.q1 - b.k0) for b in blocks)

@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_longctx import _compat, failures
+from hf_longctx import _compat
 from hf_longctx.data import validation as V
 from hf_longctx.data.sharding import shard_batch_for_rank
-from hf_longctx.trainer import resume as R
+from hf_longctx.distributed import failures
+from hf_longctx.integrations.trainer import resume as R
 
 
 def _batch(bs: int = 2, sl: int = 6) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""`hf_longctx.report`: the loss-curve comparison the main job prints and plots."""
+"""`hf_longctx.instrument.curves`: the loss-curve comparison the main job prints and plots."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hf_longctx.report import compare_runs, plot_loss_curves
+from hf_longctx.instrument.curves import compare_runs, plot_loss_curves
 
 
 def _run(tmp_path, name: str, losses: list[float]) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.attention.lse_kernels import CpuFlashKernel, MathKernel, flash_call_kwargs
-from hf_longctx.attention.ring_plan import VisibilityRule, fix_empty_rows, merge_block, plan_block, plan_ring
+from hf_longctx.attention.ring.lse_kernels import CpuFlashKernel, MathKernel, flash_call_kwargs
+from hf_longctx.attention.ring.plan import VisibilityRule, fix_empty_rows, merge_block, plan_block, plan_ring
 from hf_longctx.data.layout import layout_indices
 
 

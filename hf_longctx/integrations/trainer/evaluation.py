@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from ..comm import all_gather_sequence, all_reduce_sum
-from ..data.consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY
-from ..data.layout import to_global_order
-from ..data.sharding import IGNORE_INDEX
-from ..groups import SequenceParallelGroups
-from .metrics import gather_replicated
+from hf_longctx.data.consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY
+from hf_longctx.data.layout import to_global_order
+from hf_longctx.data.sharding import IGNORE_INDEX
+from hf_longctx.distributed.comm import all_gather_sequence, all_reduce_sum
+from hf_longctx.distributed.groups import SequenceParallelGroups
+from hf_longctx.integrations.trainer.metrics import gather_replicated
 
 
 @contextlib.contextmanager

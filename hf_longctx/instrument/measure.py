@@ -1,6 +1,6 @@
 """Measurements of the SP path: collective counters, peak memory, tokens/s and model TFLOP/s.
 
-`record_collectives()` is the main entry: inside it every collective issued by `hf_longctx.comm` is
+`record_collectives()` is the main entry: inside it every collective issued by `hf_longctx.distributed.comm` is
 counted (calls, bytes sent to other ranks, wall time). Outside it the only cost is one `ContextVar`
 read per collective. `SPMetricsCallback` adds all of it to the Trainer's log lines; it is off
 unless added to a Trainer.
@@ -52,7 +52,7 @@ _RECORDER: ContextVar[CollectiveStats | None] = ContextVar("hf_longctx_collectiv
 
 @contextlib.contextmanager
 def record_collectives(stats: CollectiveStats | None = None) -> Iterator[CollectiveStats]:
-    """Count the collectives `hf_longctx.comm` issues inside the block (this thread/context)."""
+    """Count the collectives `hf_longctx.distributed.comm` issues inside the block (this thread/context)."""
     stats = stats if stats is not None else CollectiveStats()
     token = _RECORDER.set(stats)
     try:

@@ -8,9 +8,13 @@ class-level Trainer methods are patched (`patches.py`), acting only for attached
 `detach(trainer)` undoes all of it and destroys the process groups SP created.
 """
 
-from .accelerator import SequenceParallelState, attach, detach, sp_hidden, sp_state
-from .patches import install_trainer_patches, remove_trainer_patches, takes_shifted_labels
-from .resume import UniversalCheckpointFix
+from hf_longctx.integrations.trainer.accelerator import SequenceParallelState, attach, detach, sp_hidden, sp_state
+from hf_longctx.integrations.trainer.patches import (
+    install_trainer_patches,
+    remove_trainer_patches,
+    takes_shifted_labels,
+)
+from hf_longctx.integrations.trainer.resume import UniversalCheckpointFix
 
 __all__ = [
     "SequenceParallelState",

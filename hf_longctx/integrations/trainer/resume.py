@@ -22,7 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .. import _compat
+from hf_longctx import _compat
 
 
 def current_layout(args: Any) -> dict[str, int]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .attention.kernels import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
-from .memory.lm_head import tile_tokens
-from .memory.tiled_mlp import auto_tiles
-from .model_shape import ModelShape, ceil_div
+from hf_longctx.attention.kernels import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
+from hf_longctx.memory.lm_head import tile_tokens
+from hf_longctx.memory.tiled_mlp import auto_tiles
+from hf_longctx.planner.model_shape import ModelShape, ceil_div
 
 if TYPE_CHECKING:
-    from .planner import RunConfig
+    from hf_longctx.planner.estimate import RunConfig
 
 
 @dataclass(frozen=True)

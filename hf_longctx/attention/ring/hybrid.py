@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ..comm import all_to_all
-from ..data.layout import ring_indices, ulysses_sort_order
-from ..groups import SequenceParallelGroups
-from ..ring_comm import RingComm
-from .kernels import SequenceContext, attention_chunk_size
-from .ring import RingSpec, ring_attention
-from .ring_plan import VisibilityRule, plan_ring
-from .ulysses import exchange_qkv, head_layout
+from hf_longctx.attention.kernels import SequenceContext, attention_chunk_size
+from hf_longctx.attention.ring.attention import RingSpec, ring_attention
+from hf_longctx.attention.ring.plan import VisibilityRule, plan_ring
+from hf_longctx.attention.ulysses import exchange_qkv, head_layout
+from hf_longctx.data.layout import ring_indices, ulysses_sort_order
+from hf_longctx.distributed.comm import all_to_all
+from hf_longctx.distributed.groups import SequenceParallelGroups
+from hf_longctx.distributed.ring_comm import RingComm
 
 
 def check_ring_model(config: Any, model: torch.nn.Module) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..data.collator import SequenceShardingCollator
-from ..data.validation import check_loader_not_empty
+from hf_longctx.data.collator import SequenceShardingCollator
+from hf_longctx.data.validation import check_loader_not_empty
 
 if TYPE_CHECKING:
-    from .accelerator import SequenceParallelState
+    from hf_longctx.integrations.trainer.accelerator import SequenceParallelState
 
 
 def _shard_collate(loader: Any, state: SequenceParallelState) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..comm import all_gather_object, all_gather_stacked, all_reduce_sum
-from ..groups import SequenceParallelGroups
+from hf_longctx.distributed.comm import all_gather_object, all_gather_stacked, all_reduce_sum
+from hf_longctx.distributed.groups import SequenceParallelGroups
 
 
 def _apply(fn: Any, data: Any) -> Any:
@@ -58,8 +58,8 @@ def merge_sp_group(data: torch.Tensor, groups: SequenceParallelGroups) -> torch.
             f"gather_for_metrics got a tensor of shape {tuple(data.shape)} that differs across the "
             "sequence-parallel ranks. Under SP, 0-d/1-d values are summed over the SP group (per-rank partial "
             "counts) and values with more dims must be the same on every SP rank: gather a sequence-sharded "
-            "tensor over `groups.sp_group` yourself first (hf_longctx.comm.all_gather_sequence), or reduce it "
-            "to per-rank sums."
+            "tensor over `groups.sp_group` yourself first (hf_longctx.distributed.comm.all_gather_sequence), "
+            "or reduce it to per-rank sums."
         )
     return data
 

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..attention.registry import SequenceParallelHandle, check_model, enable_sequence_parallel
-from ..groups import SequenceParallelGroups, validate_sp_size
-from ..memory import MemoryHandle, apply_memory_flags
-from ..memory.attach import attach_memory_flags, detach_memory_flags
-from .dataloader import prepare_data_loader
-from .metrics import gather_for_metrics
+from hf_longctx.attention.registry import SequenceParallelHandle, check_model, enable_sequence_parallel
+from hf_longctx.distributed.groups import SequenceParallelGroups, validate_sp_size
+from hf_longctx.integrations.trainer.dataloader import prepare_data_loader
+from hf_longctx.integrations.trainer.metrics import gather_for_metrics
+from hf_longctx.memory.attach import attach_memory_flags, detach_memory_flags
+from hf_longctx.memory.flags import MemoryHandle, apply_memory_flags
 
 logger = logging.getLogger(__name__)
 STATE_ATTR = "_hf_longctx_state"
@@ -134,7 +134,7 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
     # runs pending finalizers at exit); `state.close` holds no reference to the accelerator.
     weakref.finalize(accelerator, state.close)
     _destroy_default_group_at_exit()
-    from .patches import install_trainer_patches
+    from hf_longctx.integrations.trainer.patches import install_trainer_patches
 
     install_trainer_patches()
     logger.info(

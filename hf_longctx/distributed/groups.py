@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from . import _compat
-from .data.layout import LayoutSlot
-from .failures import resolve_timeout
+from hf_longctx import _compat
+from hf_longctx.data.layout import LayoutSlot
+from hf_longctx.distributed.failures import resolve_timeout
 
 
 def validate_sp_size(sp_size: int, world_size: int | None = None) -> None:

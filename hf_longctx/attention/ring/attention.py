@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..instrument import CollectiveStats, active_recorder
-from ..ring_comm import RingComm
-from .lse_kernels import lse_dtype, select_kernel
-from .ring_plan import BlockPlan, fix_empty_rows, merge_block
+from hf_longctx.attention.ring.lse_kernels import lse_dtype, select_kernel
+from hf_longctx.attention.ring.plan import BlockPlan, fix_empty_rows, merge_block
+from hf_longctx.distributed.ring_comm import RingComm
+from hf_longctx.instrument.measure import CollectiveStats, active_recorder
 
 VARIANTS = ("p2p", "allgather")
 _TAG_KV, _TAG_GRAD = 0, 1  # gloo matches in-flight messages between two ranks by tag

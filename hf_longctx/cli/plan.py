@@ -12,8 +12,18 @@ import os
 import sys
 from typing import Any
 
-from .model_shape import load_model_shape, shipped_model_names
-from .planner import ATTNS, DEVICES, DTYPES, ENGINES, DeviceProfile, Plan, RunConfig, estimate, max_seq_len
+from hf_longctx.planner.estimate import (
+    ATTNS,
+    DEVICES,
+    DTYPES,
+    ENGINES,
+    DeviceProfile,
+    Plan,
+    RunConfig,
+    estimate,
+    max_seq_len,
+)
+from hf_longctx.planner.model_shape import load_model_shape, shipped_model_names
 
 GENERIC_GPU = DeviceProfile("gpu", 0.0, DEVICES["h100"].runtime_gib, DEVICES["h100"].fragmentation)
 

@@ -1,7 +1,7 @@
 """The `hf-longctx` command line: `check` (is SP exact for my model?), `plan` (what fits?) and `demo`.
 
-`main(argv)` only parses and dispatches: `check` lives in `hf_longctx/check.py`, `plan` in
-`hf_longctx/plan_cli.py`, `demo` hands over to torchrun running `hf_longctx/demo.py`.
+`main(argv)` only parses and dispatches: `check` lives in `hf_longctx/check/`, `plan` in
+`hf_longctx/cli/plan.py`, `demo` hands over to torchrun running `hf_longctx/cli/demo.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import argparse
 import subprocess
 import sys
 
-from . import check, plan_cli
+from hf_longctx import check
+from hf_longctx.cli import plan as plan_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.add_arguments(plan_parser)
     demo_parser = commands.add_parser(
         "demo",
-        help="custom-loop demo: torchrun -m hf_longctx.demo (extra options go to the demo)",
+        help="custom-loop demo: torchrun -m hf_longctx.cli.demo (extra options go to the demo)",
         description=(
-            "Run `torchrun --standalone --nproc_per_node N -m hf_longctx.demo [options]`; every option "
-            "other than --nproc goes to the demo (see `python -m hf_longctx.demo --help`)."
+            "Run `torchrun --standalone --nproc_per_node N -m hf_longctx.cli.demo [options]`; every option "
+            "other than --nproc goes to the demo (see `python -m hf_longctx.cli.demo --help`)."
         ),
     )
     demo_parser.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
@@ -53,13 +54,13 @@ def run_demo(nproc: int, demo_args: list[str]) -> int:
 
     Args:
         nproc: processes (the demo's SP size).
-        demo_args: options passed through to `hf_longctx.demo` (e.g. `--steps 3`).
+        demo_args: options passed through to `hf_longctx.cli.demo` (e.g. `--steps 3`).
 
     Returns:
         torchrun's exit code.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return subprocess.call([*cmd, "-m", "hf_longctx.demo", *demo_args])
+    return subprocess.call([*cmd, "-m", "hf_longctx.cli.demo", *demo_args])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import _compat
-from .failures import collective_failure
-from .instrument import CollectiveStats, active_recorder, timed_collective
+from hf_longctx import _compat
+from hf_longctx.distributed.failures import collective_failure
+from hf_longctx.instrument.measure import CollectiveStats, active_recorder, timed_collective
 
 # Device types each torch.distributed backend accepts; a backend string may list several
 # ("cpu:gloo,cuda:nccl" when init_process_group() is called without a backend).

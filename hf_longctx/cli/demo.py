@@ -1,6 +1,6 @@
 """The custom-training-loop demo: Ulysses SP over all ranks vs a single-device run of the same steps.
 
-Run with `torchrun --standalone --nproc_per_node 2 -m hf_longctx.demo` (CPU/gloo or GPU/NCCL).
+Run with `torchrun --standalone --nproc_per_node 2 -m hf_longctx.cli.demo` (CPU/gloo or GPU/NCCL).
 `train_sp` is the loop the README shows; rank 0 then replays the same batches without SP and
 prints the largest loss difference. Offline: tiny random-init Llama, GPT-2 tokenizer, vendored texts.
 """
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import hf_longctx
-from hf_longctx.comm import barrier
+from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama, window_dataset
 from hf_longctx.data.sharding import shard_batch_for_rank
-from hf_longctx.defaults import gpt2_tokenizer, tiny_llama, window_dataset
+from hf_longctx.distributed.comm import barrier
 
 
 def train_sp(model, batches, groups, lr: float, log=print) -> list[float]:

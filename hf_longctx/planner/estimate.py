@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .model_shape import ModelShape, ceil_div
-from .planner_terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes
+from hf_longctx.planner.model_shape import ModelShape, ceil_div
+from hf_longctx.planner.terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes
 
 GIB = 2**30
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")

@@ -1,7 +1,7 @@
 """What a rank does when a collective cannot complete: a bounded wait and an error that says where.
 
 A rank that dies (killed, out of memory, a crashed node) or stops responding leaves its peers inside a
-collective. `collective_failure(op, group)` wraps every collective `hf_longctx.comm` issues and turns a
+collective. `collective_failure(op, group)` wraps every collective `hf_longctx.distributed.comm` issues and turns a
 backend error into a `CollectiveError` naming the collective, the global ranks of the group, this rank
 and the group's timeout. How long a peer can wait is the group's timeout: hf_longctx's SP and DP groups
 follow the default process group's (`resolve_timeout`), i.e. `init_process_group(timeout=...)`, which the
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch.distributed as dist
 
-from . import _compat
+from hf_longctx import _compat
 
 
 class CollectiveError(RuntimeError):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .failures import collective_failure
-from .instrument import CollectiveStats, active_recorder
+from hf_longctx.distributed.failures import collective_failure
+from hf_longctx.instrument.measure import CollectiveStats, active_recorder
 
 
 def _record(stats: CollectiveStats | None, op: str, nbytes: int, seconds: float) -> None:

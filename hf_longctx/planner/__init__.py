@@ -1,0 +1,44 @@
+"""`hf-longctx plan`'s model: per-rank peak memory of one training step and the longest sequence that fits.
+
+`estimate.py` is the main entry (`estimate`, `max_seq_len`), `terms.py` the per-layer and loss
+activation terms, `model_shape.py` the shape numbers read from a model config. The planner imports
+no torch, so `hf-longctx plan` answers in well under a second.
+"""
+
+from hf_longctx.planner.estimate import (
+    ATTNS,
+    DEVICES,
+    DTYPES,
+    ENGINES,
+    GIB,
+    TERMS,
+    DeviceProfile,
+    Plan,
+    RunConfig,
+    estimate,
+    max_seq_len,
+    model_state_bytes,
+)
+from hf_longctx.planner.model_shape import ModelShape, load_model_shape, shipped_model_names
+from hf_longctx.planner.terms import layer_bytes, loss_bytes, norm_bytes
+
+__all__ = [
+    "ATTNS",
+    "DEVICES",
+    "DTYPES",
+    "ENGINES",
+    "GIB",
+    "TERMS",
+    "DeviceProfile",
+    "ModelShape",
+    "Plan",
+    "RunConfig",
+    "estimate",
+    "layer_bytes",
+    "load_model_shape",
+    "loss_bytes",
+    "max_seq_len",
+    "model_state_bytes",
+    "norm_bytes",
+    "shipped_model_names",
+]
