@@ -8,13 +8,14 @@ class-level Trainer methods are patched (`patches.py`), acting only for attached
 `detach(trainer)` undoes all of it and destroys the process groups SP created.
 """
 
-from hf_longctx.integrations.trainer.accelerator import SequenceParallelState, attach, detach, sp_hidden, sp_state
+from hf_longctx.integrations.trainer.accelerator import attach, detach, sp_hidden
 from hf_longctx.integrations.trainer.patches import (
     install_trainer_patches,
     remove_trainer_patches,
     takes_shifted_labels,
 )
 from hf_longctx.integrations.trainer.resume import UniversalCheckpointFix
+from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
 
 __all__ = [
     "SequenceParallelState",

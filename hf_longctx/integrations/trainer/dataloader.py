@@ -10,13 +10,11 @@ Sharding inside the collate function keeps every loader feature that rebuilds lo
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hf_longctx.data.collator import SequenceShardingCollator
 from hf_longctx.data.validation import check_loader_not_empty
-
-if TYPE_CHECKING:
-    from hf_longctx.integrations.trainer.accelerator import SequenceParallelState
+from hf_longctx.integrations.trainer.state import SequenceParallelState
 
 
 def _shard_collate(loader: Any, state: SequenceParallelState) -> None:

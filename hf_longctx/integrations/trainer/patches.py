@@ -21,9 +21,9 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_longctx.distributed.failures import apply_timeout
 from hf_longctx.integrations.patching import Patch
-from hf_longctx.integrations.trainer.accelerator import SequenceParallelState, sp_state
 from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_num_items
 from hf_longctx.integrations.trainer.resume import track_layout
+from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
 
 SHIFTED_LABELS_ATTR = "hf_longctx_takes_shifted_labels"
 _FRAMES_ATTR = "_hf_longctx_prediction_frames"
