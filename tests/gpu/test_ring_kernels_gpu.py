@@ -40,8 +40,16 @@ def _virtual_ring(q, k, v, dout, world, layout, rule, scale):
             if plan is None:
                 continue
             kb, vb = k[:, :, idx[src]][:, :, plan.cols], v[:, :, idx[src]][:, :, plan.cols]
-            kernel = select_kernel(ql, plan.allowed is not None)
-            o, lb = kernel.forward(ql[:, :, plan.rows], kb, vb, causal=plan.causal, allowed=plan.allowed, scale=scale)
+            kernel = select_kernel(ql, plan)
+            o, lb = kernel.forward(
+                ql[:, :, plan.rows],
+                kb,
+                vb,
+                causal=plan.causal,
+                allowed=plan.allowed,
+                scale=scale,
+                segments=plan.segments,
+            )
             merge_block(out, lse, o, fix_empty_rows(lb, plan), plan.rows)
         out = out.to(q.dtype)
         outs[:, :, idx[rank]] = out
@@ -50,10 +58,10 @@ def _virtual_ring(q, k, v, dout, world, layout, rule, scale):
                 continue
             r, c = plan.rows, plan.cols
             kb, vb = k[:, :, idx[src]][:, :, c], v[:, :, idx[src]][:, :, c]
-            kernel = select_kernel(ql, plan.allowed is not None)
+            kernel = select_kernel(ql, plan)
             gq, gk, gv = kernel.backward(
                 dol[:, :, r], ql[:, :, r], kb, vb, out[:, :, r], lse[:, :, r],
-                causal=plan.causal, allowed=plan.allowed, scale=scale,
+                causal=plan.causal, allowed=plan.allowed, scale=scale, segments=plan.segments,
             )  # fmt: skip
             dq[:, :, idx[rank][r]] += gq
             dk[:, :, idx[src][c]] += gk
