@@ -266,6 +266,71 @@ def _flash_attn_varlen_backward(
     return softmax_lse.clone()
 
 
+def _fa3_dense_or_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    if cu_q is None:
+        return _flash_attn_forward(q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
+    return _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal)[:2]
+
+
+# FA3 (`hopper/flash_attn_interface.py`): one forward and one backward for dense and varlen, keyword
+# defaults everywhere, `is_causal` in the backward (and its `sequed_*` spelling).
+@torch.library.custom_op("flash_standin::fa3_forward", mutates_args=())
+def _fa3_forward(
+    q: Tensor, k: Tensor, v: Tensor, k_new: Tensor | None = None, v_new: Tensor | None = None,
+    qv: Tensor | None = None, out_: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None, cu_seqlens_k_new: Tensor | None = None, seqused_q: Tensor | None = None,
+    seqused_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    page_table: Tensor | None = None, kv_batch_idx: Tensor | None = None, leftpad_k: Tensor | None = None,
+    rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, seqlens_rotary: Tensor | None = None,
+    q_descale: Tensor | None = None, k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+    softmax_scale: float | None = None, causal: bool = False, window_size_left: int = -1,
+    window_size_right: int = -1, attention_chunk: int = 0, softcap: float = 0.0, rotary_interleaved: bool = True,
+    scheduler_metadata: Tensor | None = None, num_splits: int = 1, pack_gqa: bool | None = None, sm_margin: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    assert softmax_scale is not None and attention_chunk == 0 and k_new is None and out_ is None
+    out, lse = _fa3_dense_or_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+    )
+    PRIVATE_CALLS.append(("fa3_forward", {"causal": causal, "varlen": cu_seqlens_q is not None}))
+    return out.clone(), lse.clone(), q.new_empty(0), q.new_empty(0)
+
+
+@torch.library.custom_op("flash_standin::fa3_backward", mutates_args=("dq", "dk", "dv"))
+def _fa3_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+    cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None, sequed_q: Tensor | None = None,
+    sequed_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    dq: Tensor | None = None, dk: Tensor | None = None, dv: Tensor | None = None, softmax_scale: float | None = None,
+    is_causal: bool = False, window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+    deterministic: bool = False, sm_margin: int = 0,
+) -> Tensor:  # fmt: skip
+    assert dq is not None and dk is not None and dv is not None and softmax_scale is not None
+    PRIVATE_CALLS.append(("fa3_backward", {"is_causal": is_causal, "varlen": cu_seqlens_q is not None}))
+    if cu_seqlens_q is None:
+        _flash_attn_backward(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, 0.0, softmax_scale, is_causal, -1, -1, 0.0, None, deterministic
+        )
+    else:
+        _flash_attn_varlen_backward(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            0.0, softmax_scale, is_causal, -1, -1, 0.0, None, deterministic,
+        )  # fmt: skip
+    return softmax_lse.clone()
+
+
+def install_fa3(monkeypatch) -> None:
+    """Make `flash_attn_interface` (FA3) these custom ops for one test (flash-attn 2 absent)."""
+    import sys
+    import types
+
+    interface = types.ModuleType("flash_attn_interface")
+    interface._flash_attn_forward, interface._flash_attn_backward = _fa3_forward, _fa3_backward
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", interface)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", None)
+    PRIVATE_CALLS.clear()
+
+
 def install_private(monkeypatch, version: str = "2.8.3") -> None:
     """Make `flash_attn` (and `flash_attn.flash_attn_interface`) these custom ops for one test."""
     import sys

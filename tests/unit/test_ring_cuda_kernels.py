@@ -74,6 +74,30 @@ def test_flash_attn_is_chosen_on_cuda_and_the_choice_is_logged_once(monkeypatch,
     assert any("flash-attn probe: flash_attn_2" in r.getMessage() for r in caplog.records)
 
 
+def test_fa3_custom_ops_are_detected_for_dense_and_varlen_blocks(monkeypatch, fresh_dispatch):
+    F.install_fa3(monkeypatch)
+    dense, varlen, found = C.detect_flash_attn()
+    assert dense.name == "flash_attn_3" and varlen.name == "flash_attn_3_varlen" and "flash_attn_interface" in found
+    q, k, v, dout = _qkv(n=5, m=5)
+    ref_out, ref_lse = L.MathKernel().forward(q, k, v, causal=True, allowed=None, scale=0.3)
+    out, lse = dense.forward(q, k, v, causal=True, allowed=None, scale=0.3)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    grads = dense.backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3)
+    want = L.MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3)
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    doc = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
+    plan = plan_block(torch.arange(5), torch.arange(5), VisibilityRule(doc))
+    out, _ = varlen.forward(q, k, v, causal=False, allowed=None, scale=0.3, segments=plan.segments)
+    ref_out, _ = L.MathKernel().forward(q, k, v, causal=False, allowed=plan.mask(2), scale=0.3)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    assert [c for name, c in F.PRIVATE_CALLS if name.startswith("fa3")] == [
+        {"causal": True, "varlen": False},
+        {"is_causal": True, "varlen": False},
+        {"causal": True, "varlen": True},
+    ]
+
+
 def test_old_flash_attn_is_refused_with_a_reason_and_packed_blocks_use_torch_varlen(monkeypatch, fresh_dispatch):
     F.install_private(monkeypatch, version="2.6.3")
     dense, varlen, found = C.detect_flash_attn()
