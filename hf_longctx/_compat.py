@@ -9,6 +9,7 @@ checks both, so an upgrade that changes them fails loudly instead of silently.
 from __future__ import annotations
 
 import datetime
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -146,3 +147,36 @@ def liger_fused_linear_cross_entropy() -> Callable[..., Any] | None:
     except ImportError:
         return None
     return fn
+
+
+# flash-attn 2.7.0 is the first release whose private `_flash_attn_*` functions take
+# `window_size_left/right` and return 4 values; since then they are `torch.library.custom_op`
+# objects, whose Python signature is `(*args, **kwargs)`: their parameters live in the op schema.
+MIN_FLASH_ATTN = version.parse("2.7.0")
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def flash_attn_version(module: Any) -> version.Version | None:
+    """The flash-attn release a module belongs to (its package's `__version__`), None if it has none (FA3)."""
+    package = sys.modules.get(module.__name__.split(".")[0], module)
+    found = getattr(package, "__version__", None)
+    return version.parse(found) if isinstance(found, str) else None
+
+
+def op_parameters(fn: Callable[..., Any]) -> dict[str, bool]:
+    """Parameter name -> whether it is required, for a plain function or a torch custom / aten op.
+
+    Raises:
+        ValueError: `fn` exposes neither a schema nor named parameters.
+    """
+    schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)  # torch.library.custom_op
+    if schema is None:
+        overload = getattr(fn, "default", fn)  # torch.ops.<ns>.<op> packet or overload
+        schema = getattr(overload, "_schema", None) if isinstance(overload, torch._ops.OpOverload) else None
+    if schema is not None:
+        return {arg.name: not arg.has_default_value() for arg in schema.arguments}
+    params = inspect.signature(fn).parameters.values()
+    named = {p.name: p.default is inspect.Parameter.empty for p in params if p.kind not in _VARIADIC}
+    if not named:
+        raise ValueError(f"{fn!r} exposes no parameter names (neither a torch op schema nor a Python signature).")
+    return named

@@ -150,3 +150,198 @@ def use_flash(model: torch.nn.Module) -> torch.nn.Module:
     without the flash-attn package, so the implementation is set after construction)."""
     model.config._attn_implementation = IMPLEMENTATION
     return model
+
+
+# ---- flash-attn 2.8's private LSE functions, as real `torch.library.custom_op`s (what the ring calls) ----
+# Same names, parameter order, types and return layout as `flash_attn.flash_attn_interface` (2.7+): dense
+# [B, S, H, D] with LSE [B, H, S], varlen [T, H, D] with LSE [H, T], backward writing into dq/dk/dv. They
+# compute in float64 on any device (the flash backward formula from the given out and LSE) and record
+# each call's arguments in PRIVATE_CALLS. `install_private(monkeypatch)` puts them in `sys.modules`.
+
+PRIVATE_CALLS: list[tuple[str, dict]] = []
+Tensor = torch.Tensor
+
+
+def _lse_block(q, k, v, scale, causal):
+    """One segment in float64: q [sq, h, d], k/v [sk, hk, d] -> out [sq, h, dv], lse [h, sq], probs."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    if causal:  # bottom-right aligned, as flash-attn >= 2.1
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None])
+    return torch.einsum("hqk,khd->qhd", p, v.double().repeat_interleave(g, 1)), lse, p
+
+
+def _grads_block(dout, q, k, v, out, lse, scale, causal):
+    """The flash backward of one segment from the given (global) out and LSE."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), -math.inf)
+    p = torch.exp(s - lse.double()[..., None])
+    do = dout.double()
+    dp = torch.einsum("qhd,khd->hqk", do, v.double().repeat_interleave(g, 1))
+    ds = p * (dp - (do * out.double()).sum(-1).transpose(0, 1)[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, k.double().repeat_interleave(g, 1)) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, q.double()) * scale
+    dv = torch.einsum("hqk,qhd->khd", p, do)
+    return dq, dk.unflatten(1, (k.shape[1], g)).sum(2), dv.unflatten(1, (k.shape[1], g)).sum(2)
+
+
+def _record(name: str, **kwargs) -> None:
+    assert kwargs.pop("dropout_p") == 0.0 and kwargs.get("softcap", 0.0) == 0.0
+    assert kwargs.get("window_size_left", -1) == -1 and kwargs.get("window_size_right", -1) == -1
+    assert kwargs.get("alibi_slopes") is None
+    PRIVATE_CALLS.append((name, kwargs))
+
+
+@torch.library.custom_op("flash_standin::_flash_attn_forward", mutates_args=())
+def _flash_attn_forward(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+    window_size_right: int, softcap: float, alibi_slopes: Tensor | None, return_softmax: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    _record("forward", **{k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v")})
+    res = [_lse_block(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])]
+    out = torch.stack([o for o, _, _ in res]).to(q.dtype)
+    return out, torch.stack([lse for _, lse, _ in res]).float(), q.new_empty(0), torch.zeros(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("flash_standin::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def _flash_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dq: Tensor | None,
+    dk: Tensor | None, dv: Tensor | None, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+    window_size_right: int, softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+    rng_state: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    _record("backward", causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, dropout_p=dropout_p)
+    assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == q.shape[:1] + (q.shape[2], q.shape[1])
+    for b in range(q.shape[0]):
+        grads = _grads_block(dout[b], q[b], k[b], v[b], out[b], softmax_lse[b], softmax_scale, causal)
+        for dst, src in zip((dq, dk, dv), grads, strict=True):
+            dst[b].copy_(src)
+    return softmax_lse.clone()
+
+
+def _segments(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, tq: int, tk: int):
+    bq = _check_cu(cu_q, max_q, tq, cu_q)
+    bk = _check_cu(cu_k, max_k, tk, cu_k)
+    assert len(bq) == len(bk)
+    return list(zip(bq[:-1], bq[1:], bk[:-1], bk[1:], strict=True))
+
+
+@torch.library.custom_op("flash_standin::_flash_attn_varlen_forward", mutates_args=())
+def _flash_attn_varlen_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int = -1,
+    window_size_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    return_softmax: bool = False, block_table: Tensor | None = None, leftpad_k: Tensor | None = None,
+    seqused_k: Tensor | None = None, zero_tensors: bool = False, num_splits: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    _record("varlen_forward", **{k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v")})
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf)
+    for a, b, c, d in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0]):
+        o, s, _ = _lse_block(q[a:b], k[c:d], v[c:d], softmax_scale, causal)
+        out[a:b], lse[:, a:b] = o.to(q.dtype), s.float()
+    return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("flash_standin::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
+def _flash_attn_varlen_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dq: Tensor | None,
+    dk: Tensor | None, dv: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+    window_size_right: int, softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+    rng_state: Tensor | None = None, zero_tensors: bool = False,
+) -> Tensor:  # fmt: skip
+    _record("varlen_backward", causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p)
+    assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == (q.shape[1], q.shape[0])
+    dq.zero_(), dk.zero_(), dv.zero_()
+    for a, b, c, d in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0]):
+        grads = _grads_block(dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b], softmax_lse[:, a:b], softmax_scale, causal)
+        dq[a:b], dk[c:d], dv[c:d] = (g.to(q.dtype) for g in grads)
+    return softmax_lse.clone()
+
+
+def _fa3_dense_or_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    if cu_q is None:
+        return _flash_attn_forward(q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
+    return _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal)[:2]
+
+
+# FA3 (`hopper/flash_attn_interface.py`): one forward and one backward for dense and varlen, keyword
+# defaults everywhere, `is_causal` in the backward (and its `sequed_*` spelling).
+@torch.library.custom_op("flash_standin::fa3_forward", mutates_args=())
+def _fa3_forward(
+    q: Tensor, k: Tensor, v: Tensor, k_new: Tensor | None = None, v_new: Tensor | None = None,
+    qv: Tensor | None = None, out_: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None, cu_seqlens_k_new: Tensor | None = None, seqused_q: Tensor | None = None,
+    seqused_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    page_table: Tensor | None = None, kv_batch_idx: Tensor | None = None, leftpad_k: Tensor | None = None,
+    rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None, seqlens_rotary: Tensor | None = None,
+    q_descale: Tensor | None = None, k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+    softmax_scale: float | None = None, causal: bool = False, window_size_left: int = -1,
+    window_size_right: int = -1, attention_chunk: int = 0, softcap: float = 0.0, rotary_interleaved: bool = True,
+    scheduler_metadata: Tensor | None = None, num_splits: int = 1, pack_gqa: bool | None = None, sm_margin: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    assert softmax_scale is not None and attention_chunk == 0 and k_new is None and out_ is None
+    out, lse = _fa3_dense_or_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+    )
+    PRIVATE_CALLS.append(("fa3_forward", {"causal": causal, "varlen": cu_seqlens_q is not None}))
+    return out.clone(), lse.clone(), q.new_empty(0), q.new_empty(0)
+
+
+@torch.library.custom_op("flash_standin::fa3_backward", mutates_args=("dq", "dk", "dv"))
+def _fa3_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+    cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None, sequed_q: Tensor | None = None,
+    sequed_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    dq: Tensor | None = None, dk: Tensor | None = None, dv: Tensor | None = None, softmax_scale: float | None = None,
+    is_causal: bool = False, window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+    deterministic: bool = False, sm_margin: int = 0,
+) -> Tensor:  # fmt: skip
+    assert dq is not None and dk is not None and dv is not None and softmax_scale is not None
+    PRIVATE_CALLS.append(("fa3_backward", {"is_causal": is_causal, "varlen": cu_seqlens_q is not None}))
+    if cu_seqlens_q is None:
+        _flash_attn_backward(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, 0.0, softmax_scale, is_causal, -1, -1, 0.0, None, deterministic
+        )
+    else:
+        _flash_attn_varlen_backward(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            0.0, softmax_scale, is_causal, -1, -1, 0.0, None, deterministic,
+        )  # fmt: skip
+    return softmax_lse.clone()
+
+
+def install_fa3(monkeypatch) -> None:
+    """Make `flash_attn_interface` (FA3) these custom ops for one test (flash-attn 2 absent)."""
+    import sys
+    import types
+
+    interface = types.ModuleType("flash_attn_interface")
+    interface._flash_attn_forward, interface._flash_attn_backward = _fa3_forward, _fa3_backward
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", interface)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", None)
+    PRIVATE_CALLS.clear()
+
+
+def install_private(monkeypatch, version: str = "2.8.3") -> None:
+    """Make `flash_attn` (and `flash_attn.flash_attn_interface`) these custom ops for one test."""
+    import sys
+    import types
+
+    package, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
+    package.__version__, package.__path__, package.flash_attn_interface = version, [], interface
+    interface._flash_attn_forward, interface._flash_attn_backward = _flash_attn_forward, _flash_attn_backward
+    interface._flash_attn_varlen_forward = _flash_attn_varlen_forward
+    interface._flash_attn_varlen_backward = _flash_attn_varlen_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # no FA3: its import raises ImportError
+    PRIVATE_CALLS.clear()

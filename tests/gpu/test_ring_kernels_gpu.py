@@ -40,8 +40,16 @@ def _virtual_ring(q, k, v, dout, world, layout, rule, scale):
             if plan is None:
                 continue
             kb, vb = k[:, :, idx[src]][:, :, plan.cols], v[:, :, idx[src]][:, :, plan.cols]
-            kernel = select_kernel(ql, plan.allowed is not None)
-            o, lb = kernel.forward(ql[:, :, plan.rows], kb, vb, causal=plan.causal, allowed=plan.allowed, scale=scale)
+            kernel = select_kernel(ql, plan)
+            o, lb = kernel.forward(
+                ql[:, :, plan.rows],
+                kb,
+                vb,
+                causal=plan.causal,
+                allowed=plan.allowed,
+                scale=scale,
+                segments=plan.segments,
+            )
             merge_block(out, lse, o, fix_empty_rows(lb, plan), plan.rows)
         out = out.to(q.dtype)
         outs[:, :, idx[rank]] = out
@@ -50,10 +58,10 @@ def _virtual_ring(q, k, v, dout, world, layout, rule, scale):
                 continue
             r, c = plan.rows, plan.cols
             kb, vb = k[:, :, idx[src]][:, :, c], v[:, :, idx[src]][:, :, c]
-            kernel = select_kernel(ql, plan.allowed is not None)
+            kernel = select_kernel(ql, plan)
             gq, gk, gv = kernel.backward(
                 dol[:, :, r], ql[:, :, r], kb, vb, out[:, :, r], lse[:, :, r],
-                causal=plan.causal, allowed=plan.allowed, scale=scale,
+                causal=plan.causal, allowed=plan.allowed, scale=scale, segments=plan.segments,
             )  # fmt: skip
             dq[:, :, idx[rank][r]] += gq
             dk[:, :, idx[src][c]] += gk
@@ -61,23 +69,43 @@ def _virtual_ring(q, k, v, dout, world, layout, rule, scale):
     return outs, dq, dk, dv
 
 
+RULES = ("causal", "packed", "packed_window")
+
+
+def _rule(kind: str, seq: int) -> VisibilityRule:
+    """Packed rows differ per batch row (rows of a block that see no key); the window gives masks of
+    odd crop widths (the memory-efficient kernel's bias alignment)."""
+    rows = [(100, 1, 211, 200), (50, 300, 162)]
+    doc = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows]).cuda()
+    assert doc.shape[1] == seq
+    return VisibilityRule(None if kind == "causal" else doc, window=37 if kind == "packed_window" else None)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("packed", [False, True])
-def test_virtual_ring_on_gpu_matches_float64(dtype, world, packed):
+@pytest.mark.parametrize("kind", RULES)
+def test_virtual_ring_on_gpu_matches_float64(dtype, world, kind):
     g = torch.Generator(device="cuda").manual_seed(world)
     bs, h, hkv, seq, d = 2, 8, 2, 512, 64
     q = torch.randn(bs, h, seq, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(bs, hkv, seq, d, device="cuda", dtype=dtype, generator=g)
     v = torch.randn(bs, hkv, seq, d, device="cuda", dtype=dtype, generator=g)
     dout = torch.randn(bs, h, seq, d, device="cuda", dtype=dtype, generator=g)
-    lengths = (100, 1, 211, 200)
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).cuda().expand(bs, seq)
-    rule = VisibilityRule(doc if packed else None)
+    rule = _rule(kind, seq)
     allowed = rule.allowed(torch.arange(seq, device="cuda"), torch.arange(seq, device="cuda"))[:, None]
     ref = _reference(q, k, v, dout, allowed, d**-0.5)
     got = _virtual_ring(q, k, v, dout, world, "zigzag", rule, d**-0.5)
     single = _virtual_ring(q, k, v, dout, 1, "contiguous", rule, d**-0.5)
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, single, ref, strict=True):
+        assert not bool(a.isnan().any()), name
         err, base = (a.double() - c).abs().max().item(), (b.double() - c).abs().max().item()
         assert err <= 2 * base + 1e-3 * c.abs().max().item(), (name, err, base)
+
+
+def test_packed_blocks_take_a_varlen_kernel_on_gpu():
+    seq, world = 512, 4
+    idx = [layout_indices("zigzag", r, world, seq).cuda() for r in range(world)]
+    q = torch.zeros(2, 8, seq // world, 64, device="cuda", dtype=torch.bfloat16)
+    plans = [p for r in range(world) for p in plan_ring(idx, r, _rule("packed", seq)) if p is not None]
+    names = {select_kernel(q, p).name for p in plans if p.segments is not None}
+    assert names and all(n.endswith("varlen") for n in names), names

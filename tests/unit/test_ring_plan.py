@@ -6,21 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.attention.ring.lse_kernels import CpuFlashKernel, MathKernel, flash_call_kwargs
+from hf_longctx.attention.ring.cuda_kernels import flash_call_kwargs
+from hf_longctx.attention.ring.lse_kernels import CpuFlashKernel, MathKernel
 from hf_longctx.attention.ring.plan import VisibilityRule, fix_empty_rows, merge_block, plan_block, plan_ring
 from hf_longctx.data.layout import layout_indices
 
 
-def _covered(plan, nq, nk) -> torch.Tensor:
+def _covered(plan, nq, nk, bs) -> torch.Tensor:
     """Boolean [bs or 1, nq, nk]: the pairs a plan hands to the kernel as visible."""
-    out = torch.zeros(1 if plan is None or plan.allowed is None else plan.allowed.shape[0], nq, nk, dtype=torch.bool)
+    mask = None if plan is None else plan.mask(bs)
+    out = torch.zeros(1 if mask is None else mask.shape[0], nq, nk, dtype=torch.bool)
     if plan is None:
         return out
     n, m = plan.rows.stop - plan.rows.start, plan.cols.stop - plan.cols.start
     crop = torch.ones(n, m, dtype=torch.bool)
     if plan.causal:
         crop = crop.tril()
-    crop = crop.unsqueeze(0) if plan.allowed is None else plan.allowed[:, 0]
+    crop = crop.unsqueeze(0) if mask is None else mask[:, 0]
     out[:, plan.rows, plan.cols] = crop
     return out
 
@@ -45,10 +47,12 @@ def test_plans_cover_exactly_the_visible_pairs(rule_name, kind, world):
     for rank in range(world):
         for src, plan in enumerate(plan_ring(indices, rank, rule)):
             want = rule.allowed(indices[rank], indices[src])
-            got = _covered(plan, len(indices[rank]), len(indices[src]))
+            got = _covered(plan, len(indices[rank]), len(indices[src]), doc.shape[0])
             assert torch.equal(got.expand_as(want), want), (rank, src, plan)
-            if plan is not None and plan.empty_rows is not None:
-                assert torch.equal(plan.empty_rows, ~plan.allowed[:, 0].any(-1))
+            if plan is not None and plan.masked:
+                mask = plan.mask(doc.shape[0])[:, 0]
+                empty = plan.empty_rows if plan.empty_rows is not None else torch.zeros_like(mask[..., 0])
+                assert torch.equal(empty.expand(mask.shape[:-1]), ~mask.any(-1))
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -66,7 +66,7 @@ class _KV:
 
 
 def _kernel(q: torch.Tensor, v: torch.Tensor, plan: BlockPlan):
-    return select_kernel(q, plan.allowed is not None, q.shape[-1] == v.shape[-1])
+    return select_kernel(q, plan, q.shape[-1] == v.shape[-1])
 
 
 def _blocks(flat: torch.Tensor, spec: RingSpec, stats: CollectiveStats | None) -> Iterator[tuple[int, torch.Tensor]]:
@@ -104,6 +104,7 @@ class _RingAttention(torch.autograd.Function):
                 causal=plan.causal,
                 allowed=plan.allowed,
                 scale=spec.scale,
+                segments=plan.segments,
             )
             merge_block(out, lse, block_out, fix_empty_rows(block_lse, plan), plan.rows)
         out = out.to(q.dtype)
@@ -135,6 +136,7 @@ class _RingAttention(torch.autograd.Function):
                 causal=plan.causal,
                 allowed=plan.allowed,
                 scale=spec.scale,
+                segments=plan.segments,
             )
             dq[:, :, r] += grads[0]
             return plan, grads
