@@ -77,12 +77,6 @@ class SequenceParallelHandle:
         signature, layout = kwargs.get(SIGNATURE_KEY), kwargs.get(LAYOUT_KEY)
         for key in PRIVATE_KEYS:
             kwargs.pop(key, None)
-        if layout is not None and layout != self.backend.layout:
-            raise ValueError(
-                f"The batch was sharded in the {layout!r} token layout but {self.backend.name} attention expects "
-                f"{self.backend.layout!r}: shard with hf_longctx.shard_batch(batch, groups) after enabling SP on the "
-                "model, with the same groups."
-            )
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(
@@ -91,7 +85,10 @@ class SequenceParallelHandle:
             )
         # Bad inputs raise here on every SP rank, from values all of them hold, before any attention collective.
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        check_shard_consistency(position_ids, signature, self.groups, ids, mask, self.limits)
+        expected = (self.backend.layout, self.backend.name)
+        check_shard_consistency(
+            position_ids, signature, self.groups, ids, mask, self.limits, layout=layout, expected_layout=expected
+        )
         _no_zero_denominator(kwargs)
         self.attention_calls = 0
         gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
