@@ -8,12 +8,16 @@ take theirs from `auto.choose_backend`; a Ulysses degree equal to the SP size is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch.distributed as dist
 
 from hf_longctx.attention.auto import choose_backend
 from hf_longctx.attention.ring.attention import check_variant
 from hf_longctx.attention.ulysses import check_heads
 from hf_longctx.data.layout import check_layout
+from hf_longctx.distributed.comm import all_gather_object
 
 BACKENDS = ("ulysses", "ring", "hybrid", "auto")
 
@@ -103,3 +107,36 @@ def resolve_backend(
     if degree == sp_size:  # a ring of one rank: plain Ulysses, with the model's own kernel
         return SPBackend("ulysses", sp_size, sp_size, variant, "contiguous", reason)
     return SPBackend("ring" if degree == 1 else "hybrid", sp_size, degree, variant, ring_layout, reason)
+
+
+def decided_locally(backend: str, ulysses_degree: int | None) -> bool:
+    """True when the resolution reads this rank's own view of the job (ranks per node, NVML link)."""
+    return backend == "auto" or (backend == "hybrid" and ulysses_degree is None)
+
+
+def agree_across_ranks(sp: SPBackend, group: dist.ProcessGroup | None, inputs: dict[str, Any]) -> None:
+    """Refuse, on every rank of `group`, a backend that the ranks resolved differently.
+
+    "auto" decides on each rank from what that rank sees (LOCAL_WORLD_SIZE, the NVML link); ranks that
+    disagree would build different process groups or run different collectives and hang. One
+    `all_gather_object` of each rank's choice and `inputs` (what it decided from) settles it.
+
+    Raises:
+        ValueError: naming every rank, its choice and its inputs, and the setting that fixes it.
+    """
+    choice = {k: v for k, v in asdict(sp).items() if k != "reason"}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rows = all_gather_object({"rank": rank, "choice": choice, "inputs": inputs}, group)
+    if all(row["choice"] == rows[0]["choice"] for row in rows):
+        return
+    per_rank = "; ".join(
+        f"rank {row['rank']}: {row['choice']['name']} (Ulysses degree {row['choice']['ulysses_degree']}, ring variant "
+        f"{row['choice']['ring_variant']}, {row['choice']['layout']} layout) from {row['inputs']}"
+        for row in rows
+    )
+    raise ValueError(
+        f"The sequence-parallel ranks resolved the backend differently ({per_rank}). Each rank decides from its own "
+        "ranks per node (LOCAL_WORLD_SIZE) and NVML link, and ranks running different backends would hang. Launch "
+        "every node with the same number of processes, or set the backend explicitly on ParallelismConfig / "
+        'enable_sequence_parallel (sp_backend="ulysses", "ring", or "hybrid" with ulysses_degree=N).'
+    )

@@ -19,7 +19,7 @@ import torch
 
 from hf_longctx import _compat
 from hf_longctx.attention.auto import detect_link
-from hf_longctx.attention.backends import SPBackend, resolve_backend
+from hf_longctx.attention.backends import SPBackend, agree_across_ranks, decided_locally, resolve_backend
 from hf_longctx.attention.kernels import SequenceContext, kernel_family
 from hf_longctx.attention.ring.hybrid import check_ring_model, hybrid_attention
 from hf_longctx.attention.ulysses import ulysses_attention
@@ -77,12 +77,6 @@ class SequenceParallelHandle:
         signature, layout = kwargs.get(SIGNATURE_KEY), kwargs.get(LAYOUT_KEY)
         for key in PRIVATE_KEYS:
             kwargs.pop(key, None)
-        if layout is not None and layout != self.backend.layout:
-            raise ValueError(
-                f"The batch was sharded in the {layout!r} token layout but {self.backend.name} attention expects "
-                f"{self.backend.layout!r}: shard with hf_longctx.shard_batch(batch, groups) after enabling SP on the "
-                "model, with the same groups."
-            )
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(
@@ -91,7 +85,10 @@ class SequenceParallelHandle:
             )
         # Bad inputs raise here on every SP rank, from values all of them hold, before any attention collective.
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        check_shard_consistency(position_ids, signature, self.groups, ids, mask, self.limits)
+        expected = (self.backend.layout, self.backend.name)
+        check_shard_consistency(
+            position_ids, signature, self.groups, ids, mask, self.limits, layout=layout, expected_layout=expected
+        )
         _no_zero_denominator(kwargs)
         self.attention_calls = 0
         gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
@@ -143,6 +140,11 @@ def check_token_mixers(model: torch.nn.Module) -> None:
         )
 
 
+def _link(model: torch.nn.Module) -> str | None:
+    parameter = next(model.parameters(), None)
+    return detect_link(parameter.device if parameter is not None else torch.device("cpu"))
+
+
 def _attention_config(model: torch.nn.Module) -> Any:
     config = getattr(model, "config", None)
     if config is None:
@@ -177,7 +179,6 @@ def check_model(
     config = _attention_config(model)
     kernel_family(config._attn_implementation or "eager")
     num_heads = config.num_attention_heads
-    parameter = next(model.parameters(), None)
     sp = resolve_backend(
         backend,
         num_heads,
@@ -187,7 +188,7 @@ def check_model(
         ring_variant=ring_variant,
         ring_layout=ring_layout,
         ranks_per_node=ranks_per_node,
-        link=detect_link(parameter.device if parameter is not None else torch.device("cpu")),
+        link=_link(model),
     )
     if sp.name != "ulysses":
         check_ring_model(config, model)
@@ -226,7 +227,8 @@ def enable_sequence_parallel(
 
     Raises:
         ValueError: unknown backend or options, SP already enabled on this model, an unsupported
-            attention implementation, head counts incompatible with the backend and SP size, ring
+            attention implementation, head counts incompatible with the backend and SP size, "auto"
+            resolved differently on some SP rank (one all-gather over the SP group, on every rank), ring
             attention with soft-capping or sinks, another model on `groups` with a different token
             layout, or token mixing outside attention (convolutions, state-space or linear-attention
             layers).
@@ -242,6 +244,9 @@ def enable_sequence_parallel(
         ring_layout=ring_layout,
         ranks_per_node=groups.ranks_per_node,
     )
+    if groups.sp_enabled and decided_locally(backend, ulysses_degree):
+        # Before anything collective depends on the choice (the hybrid groups below, the first forward).
+        agree_across_ranks(sp, groups.sp_group, {"ranks_per_node": groups.ranks_per_node, "link": _link(model)})
     config = _attention_config(model)
     kernel_name = config._attn_implementation or "eager"
     family = kernel_family(kernel_name)

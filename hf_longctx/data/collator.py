@@ -60,6 +60,6 @@ class SequenceShardingCollator:
         if "shift_labels" in shard:
             shard["labels"] = shard["shift_labels"]
         shard[SIGNATURE_KEY] = signature
-        if kind != "contiguous":
+        if self.sp_world_size > 1:
             shard[LAYOUT_KEY] = kind
         return shard

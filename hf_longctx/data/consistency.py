@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hf_longctx.data.layout import LAYOUT_KEY
+from hf_longctx.data.layout import LAYOUT_KEY, check_shard_layouts, layout_code
 from hf_longctx.data.sharding import shard_batch_for_rank
 from hf_longctx.data.validation import ModelLimits, check_inputs, shard_summary
 from hf_longctx.distributed.comm import all_gather_stacked
@@ -25,7 +25,7 @@ SIGNATURE_KEY = "hf_longctx_batch_signature"
 # The Trainer collator also keeps this rank's slice of the unshifted labels here, so that evaluation returns
 # the labels a run without SP returns (`labels` itself holds the pre-shifted ones the loss needs).
 ORIGINAL_LABELS_KEY = "hf_longctx_labels"
-# Keys the model never sees: the SP forward pre-hook removes them (LAYOUT_KEY: a zigzag shard's layout name).
+# Keys the model never sees: the SP forward pre-hook removes them (LAYOUT_KEY: the shard's token layout).
 PRIVATE_KEYS = (SIGNATURE_KEY, ORIGINAL_LABELS_KEY, LAYOUT_KEY)
 
 
@@ -81,9 +81,12 @@ def check_shard_consistency(
     input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     limits: ModelLimits | None = None,
+    *,
+    layout: str | None = None,
+    expected_layout: tuple[str, str] | None = None,
 ) -> None:
-    """Before the first collective of a forward: the shards agree in shape, come from one batch and hold
-    inputs the model can take.
+    """Before the first collective of a forward: the shards agree in shape, come from one batch, are in the
+    token layout the attention expects and hold inputs the model can take.
 
     Args:
         position_ids: the local `[bs, sl_l]` positions of the shard.
@@ -92,9 +95,13 @@ def check_shard_consistency(
         input_ids, attention_mask: the shard's; with `limits` (the model's `validation.ModelLimits`) their
             `validation.shard_summary` rides along the same all-gather, so that every rank checks every
             shard's token ids and positions.
+        layout: the layout the shard names under `LAYOUT_KEY` (None: it names none, i.e. contiguous slices).
+        expected_layout: (layout, attention name) the model's SP attention expects; None skips the check.
+            Every rank's `layout` rides along the all-gather, so a wrong shard on one rank raises on all.
 
     Raises:
-        ValueError: naming what differs across the SP ranks, or the token id / position the model cannot take.
+        ValueError: naming what differs across the SP ranks, a shard in the wrong token layout, or the token
+            id / position the model cannot take.
     """
     summary = None if limits is None else shard_summary(input_ids, position_ids, attention_mask)
     if not groups.sp_enabled:
@@ -105,9 +112,14 @@ def check_shard_consistency(
     shape = torch.tensor([position_ids.shape[0], position_ids.shape[-1]], dtype=torch.int64)
     values = torch.cat([sig.to(torch.int64), shape]).to(position_ids.device)
     fields = (*_SIGNATURE_FIELDS, "shard batch size", "shard sequence length")
-    summaries = _raise_on_mismatch(values, fields, groups, summary)
-    if summaries is not None:
-        check_inputs(summaries, limits)
+    extra = torch.tensor([layout_code(layout)], dtype=torch.int64, device=position_ids.device)
+    if summary is not None:
+        extra = torch.cat([extra, summary.to(torch.int64)])
+    rows = _raise_on_mismatch(values, fields, groups, extra)
+    if expected_layout is not None:
+        check_shard_layouts([row[0] for row in rows], *expected_layout)
+    if summary is not None:
+        check_inputs([row[1:] for row in rows], limits)
 
 
 def shard_batch(
@@ -127,7 +139,7 @@ def shard_batch(
         The local shard: `input_ids`, `position_ids` (global), `shift_labels` (when labels were
         given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed. The
         token layout is the one the backend enabled on `groups` expects (`groups.layout`:
-        contiguous for Ulysses, zigzag for ring/hybrid, which also names it under `LAYOUT_KEY`).
+        contiguous for Ulysses, zigzag for ring/hybrid), named under `LAYOUT_KEY` when SP is on.
 
     Raises:
         ValueError: the ranks disagree on the batch, left padding, or a malformed batch.
@@ -136,6 +148,6 @@ def shard_batch(
         check_batch_consistency(batch, groups)
     layout = groups.layout
     shard = shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id, layout=layout)
-    if layout != "contiguous":
+    if groups.sp_enabled:
         shard[LAYOUT_KEY] = layout
     return shard

@@ -16,8 +16,9 @@ from functools import lru_cache
 import torch
 
 LAYOUTS = ("contiguous", "zigzag")
-# A zigzag shard names its layout under this key; the model pre-hook pops it and refuses a mismatch
-# (zigzag data into contiguous attention or the reverse: plausible loss, wrong gradients).
+# Every shard `shard_batch` and the Trainer collator build names its layout under this key; the model
+# pre-hook pops it and refuses a mismatch either way (plausible loss, wrong gradients). A batch without
+# the key (a custom loop's slices) is what slicing gives: contiguous.
 LAYOUT_KEY = "hf_longctx_token_layout"
 
 
@@ -25,6 +26,46 @@ def check_layout(kind: str) -> None:
     """Raise a `ValueError` naming the valid layouts."""
     if kind not in LAYOUTS:
         raise ValueError(f"Unknown token layout {kind!r}; choose one of {list(LAYOUTS)}.")
+
+
+_CODES = (None, *LAYOUTS)
+
+
+def layout_code(kind: str | None) -> int:
+    """`kind` as a small int for the cross-rank all-gather: 0 for a shard that names no layout."""
+    return _CODES.index(kind) if kind in _CODES else -1
+
+
+def check_shard_layouts(codes: list[int], expected: str, attention: str) -> None:
+    """Raise (on every rank: `codes` holds every SP rank's `layout_code`) unless every shard is in `expected`.
+
+    A shard that names no layout counts as contiguous: that is what slicing a batch in a custom loop gives.
+
+    Raises:
+        ValueError: naming the SP ranks, the layout their shards are in and the setting that fixes it.
+    """
+    found = {r: (_CODES[c] or "contiguous") if 0 <= c < len(_CODES) else "unknown" for r, c in enumerate(codes)}
+    wrong = {r: kind for r, kind in found.items() if kind != expected}
+    if not wrong:
+        return
+    untagged = [r for r in wrong if codes[r] == 0]
+    note = f" (SP ranks {untagged}: no {LAYOUT_KEY!r} key, so taken as contiguous slices)" if untagged else ""
+    if expected == "zigzag":
+        fix = (
+            "Build the shards with hf_longctx.shard_batch(batch, groups) (or the Trainer integration) after "
+            "enable_sequence_parallel, which shard in the zigzag layout, or run the ring on contiguous shards: "
+            'ParallelismConfig(ring_layout="contiguous") / enable_sequence_parallel(..., ring_layout="contiguous").'
+        )
+    else:
+        fix = (
+            "Shard with hf_longctx.shard_batch(batch, groups) after enabling SP on this model, with the same groups "
+            '(it follows the model\'s layout), or, for ring/hybrid attention on zigzag shards, ring_layout="zigzag" '
+            "on ParallelismConfig / enable_sequence_parallel."
+        )
+    raise ValueError(
+        f"The batch was sharded in the wrong token layout: {attention} attention expects {expected!r} but SP rank "
+        f"shards are {found}{note}. Tokens at the wrong positions give a plausible loss and wrong gradients. {fix}"
+    )
 
 
 def pad_multiple(kind: str, sp_world_size: int) -> int:

@@ -3,8 +3,10 @@
 One SP=2 launch runs every scenario in order (each raises on both ranks at the same point, so they stay in
 step; a barrier after each proves it): through the library (`shard_batch` + the model's forward) a token id
 outside the vocabulary (too large, or a -100 label value in `input_ids`), a position past
-`max_position_embeddings`, an `attention_mask` whose shape disagrees with `input_ids`, an empty batch; through
-the Trainer, token ids outside the vocabulary, an empty training set and an empty eval set.
+`max_position_embeddings`, an `attention_mask` whose shape disagrees with `input_ids`, an empty batch, shards in
+the other token layout than the attention's (contiguous, tagged or not, into a zigzag ring; zigzag into Ulysses;
+one rank's shard only); through the Trainer, token ids outside the vocabulary, an empty training set and an
+empty eval set.
 
 A gradient-accumulation window whose labels are all -100 must give loss 0, zero gradients and no NaN
 (transformers' losses divide the zero sum by num_items_in_batch = 0: a NaN loss, which the Trainer's default
@@ -21,6 +23,8 @@ import pytest
 import torch
 
 import hf_longctx
+from hf_longctx.data.collator import SequenceShardingCollator
+from hf_longctx.data.layout import LAYOUT_KEY
 from tests import _faults
 from tests._models import tiny_model
 from tests.dist import _trainer_utils as U
@@ -57,6 +61,7 @@ def _library_scenarios(groups) -> dict:
     # Position 19 sits in rank 1's half of the 20 tokens; rank 0 must raise all the same.
     packed_positions = torch.cat([torch.arange(10), torch.arange(10)]).unsqueeze(0)
     return {
+        **_layout_scenarios(groups, model, batch(_ids(20))),
         "vocab_high": lambda: _forward(model, groups, batch(_ids(20, bad_at=15, bad=200))),
         "vocab_negative": lambda: _forward(model, groups, batch(_ids(20, bad_at=3, bad=-100))),
         "too_long": lambda: _forward(short, groups, batch(_ids(20))),
@@ -67,6 +72,34 @@ def _library_scenarios(groups) -> dict:
         "mask_shape": lambda: _forward(model, groups, batch(_ids(20), torch.ones(1, 19, dtype=torch.long))),
         "empty_batch": lambda: _forward(model, groups, batch(_ids(0))),
     }
+
+
+def _layout_scenarios(groups, ulysses_model, batch: dict) -> dict:
+    """Shards in the other token layout than the model's attention, either way (a plausible loss, wrong gradients)."""
+    ring_groups = hf_longctx.SequenceParallelGroups.build(groups.sp_world_size)
+    ring = tiny_model("llama")
+    hf_longctx.enable_sequence_parallel(ring, ring_groups, backend="ring")  # zigzag
+    ring_contiguous = tiny_model("llama")
+    hf_longctx.enable_sequence_parallel(ring_contiguous, groups, backend="ring", ring_layout="contiguous")
+    contiguous = hf_longctx.shard_batch(batch, groups)  # the Ulysses groups: contiguous
+    zigzag = hf_longctx.shard_batch(batch, ring_groups)
+    untagged = {k: v for k, v in contiguous.items() if k != LAYOUT_KEY}  # a custom loop's slices
+    collated = SequenceShardingCollator(lambda rows: rows[0], groups.sp_rank, groups.sp_world_size)([batch])
+    mixed = zigzag if groups.sp_rank == 0 else untagged
+    return {
+        "contiguous_into_ring": lambda: _call(ring, contiguous),
+        "untagged_into_ring": lambda: _call(ring, untagged),
+        "collated_contiguous_into_ring": lambda: _call(ring, collated),
+        "mixed_into_ring": lambda: _call(ring, mixed),
+        "zigzag_into_ulysses": lambda: _call(ulysses_model, zigzag),
+        # Valid: a contiguous ring takes a custom loop's contiguous slices; the zigzag ring takes shard_batch's.
+        "untagged_into_contiguous_ring": lambda: _call(ring_contiguous, untagged),
+        "zigzag_into_ring": lambda: _call(ring, zigzag),
+    }
+
+
+def _call(model, shard: dict) -> None:
+    model(**{k: v for k, v in shard.items() if k not in ("shift_labels", "labels")})
 
 
 def _trainer(out_dir: str, train, *, sampling: str = "random", steps: int = 2):
@@ -125,6 +158,17 @@ def bad_inputs_worker(rank: int, world_size: int, out_dir: str) -> dict:
     return out
 
 
+def single_case_worker(rank: int, world_size: int, out_dir: str, name: str) -> None:
+    """One scenario as its own job, its ValueError left to end the rank (`scripts/bad_input_sweep.py`)."""
+    import os
+
+    with open(os.path.join(out_dir, f"start-rank{rank}"), "w") as f:
+        f.write(repr(time.time()))
+    groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    scenarios = {**_library_scenarios(groups), **_trainer_scenarios(out_dir)}
+    scenarios[name]()
+
+
 _cache: dict = {}
 
 
@@ -150,6 +194,19 @@ def _messages(name: str, tmp_path_factory) -> list[str | None]:
         ("too_long", ["reaches position 19", f"supports {LIMIT} positions", "max_length"]),
         ("mask_shape", ["attention_mask has shape (1, 19) but input_ids has (1, 20)"]),
         ("empty_batch", ["The batch is empty (1 rows x 0 tokens)"]),
+        (
+            "contiguous_into_ring",
+            [
+                "ring attention expects 'zigzag'",
+                "SP rank shards are {0: 'contiguous', 1: 'contiguous'}",
+                "hf_longctx.shard_batch(batch, groups)",
+                'ring_layout="contiguous"',
+            ],
+        ),
+        ("untagged_into_ring", ["expects 'zigzag'", f"SP ranks [0, 1]: no {LAYOUT_KEY!r} key", "ring_layout"]),
+        ("collated_contiguous_into_ring", ["expects 'zigzag'", "{0: 'contiguous', 1: 'contiguous'}"]),
+        ("mixed_into_ring", ["expects 'zigzag'", "{0: 'zigzag', 1: 'contiguous'}", "SP ranks [1]: no"]),
+        ("zigzag_into_ulysses", ["ulysses attention expects 'contiguous'", "shard_batch", 'ring_layout="zigzag"']),
         ("trainer_vocab", ["token id 128", "128 embedding rows"]),
         ("trainer_empty_train_sequential", ["The DataLoader yields no batch: its dataset has 0 rows"]),
         ("trainer_empty_train_random", ["num_samples=0"]),
@@ -166,7 +223,7 @@ def test_bad_input_raises_on_every_rank_naming_the_culprit(scenario, expected, t
             assert text in message, (text, message)
 
 
-@pytest.mark.parametrize("scenario", ["at_limit", "packed"])
+@pytest.mark.parametrize("scenario", ["at_limit", "packed", "untagged_into_contiguous_ring", "zigzag_into_ring"])
 def test_valid_positions_at_the_limit_pass(scenario, tmp_path_factory):
     assert _messages(scenario, tmp_path_factory) == [None, None]
 

@@ -340,3 +340,22 @@ def test_shards_concatenate_to_padded_global_batch(data, world):
     assert sorted(seq_keys) == sorted(ref)
     for key, value in ref.items():
         assert torch.equal(full[key], value), key
+
+
+def test_collated_shards_name_their_layout_and_a_mismatch_is_refused_either_way():
+    from hf_longctx.data.collator import SequenceShardingCollator
+    from hf_longctx.data.layout import LAYOUT_KEY, LayoutSlot, check_shard_layouts, layout_code
+
+    batch = {"input_ids": t([[1, 2, 3, 4]])}
+    for kind in ("contiguous", "zigzag"):
+        shard = SequenceShardingCollator(lambda rows: rows[0], 0, 2, layout=LayoutSlot(kind))([batch])
+        assert shard[LAYOUT_KEY] == kind
+    codes = {kind: layout_code(kind) for kind in (None, "contiguous", "zigzag")}
+    check_shard_layouts([codes["zigzag"]] * 2, "zigzag", "ring")
+    check_shard_layouts([codes[None], codes["contiguous"]], "contiguous", "ulysses")
+    with pytest.raises(ValueError, match='ring_layout="contiguous"'):
+        check_shard_layouts([codes[None], codes[None]], "zigzag", "ring")
+    with pytest.raises(ValueError, match=r"\{0: 'zigzag', 1: 'contiguous'\}"):
+        check_shard_layouts([codes["zigzag"], codes["contiguous"]], "zigzag", "ring")
+    with pytest.raises(ValueError, match="shard_batch"):
+        check_shard_layouts([codes["zigzag"]] * 2, "contiguous", "ulysses")
