@@ -29,7 +29,7 @@ from tests import _faults
 from tests._models import tiny_model
 from tests.dist import _trainer_utils as U
 
-# Counted from when both ranks are forked (the forkserver's imports, 12-75 s at load 4-31 on 2 cores, come first).
+# Counted from when both ranks are forked (the forkserver's imports, 12-95 s at load 4-33 on 2 cores, come first).
 LAUNCH_TIMEOUT_S = 180
 # A rank stuck in a collective its peer left ends only at the group timeout; a scenario that raised took less than
 # half of it. Seen on the loaded 2-core machine: <= 4.4 s at load 4-6, 5-10x slower at load 13-33 (library cases
