@@ -29,8 +29,13 @@ from tests import _faults
 from tests._models import tiny_model
 from tests.dist import _trainer_utils as U
 
+# Counted from when both ranks are forked (the forkserver's imports, 12-95 s at load 4-33 on 2 cores, come first).
 LAUNCH_TIMEOUT_S = 180
-FAIL_FAST_S = 10.0
+# A rank stuck in a collective its peer left ends only at the group timeout; a scenario that raised took less than
+# half of it. Seen on the loaded 2-core machine: <= 4.4 s at load 4-6, 5-10x slower at load 13-33 (library cases
+# 0.2-0.3 s -> 1.3-2.5 s); trainer_vocab (a Trainer built and stepped inside) took 15.3 s at load 28-30.
+PG_TIMEOUT_S = 60.0
+FAIL_FAST_S = PG_TIMEOUT_S / 2
 LIMIT = 15  # max_position_embeddings of the position scenarios
 
 
@@ -175,7 +180,9 @@ _cache: dict = {}
 def _messages(name: str, tmp_path_factory) -> list[str | None]:
     if "bad" not in _cache:
         out_dir = str(tmp_path_factory.mktemp("bad_inputs"))
-        _cache["bad"] = _faults.launch(bad_inputs_worker, 2, out_dir, timeout=LAUNCH_TIMEOUT_S)
+        _cache["bad"] = _faults.launch(
+            bad_inputs_worker, 2, out_dir, timeout=LAUNCH_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S
+        )
     outcomes = _cache["bad"]
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     messages = []
