@@ -172,9 +172,10 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
 
     bf16 on DeepSpeed: bf16 weights and gradients, fp32 master weights + Adam m and v in the
     optimizer (2 + 2 + 12 bytes per parameter). bf16 on FSDP2: accelerate keeps fp32 sharded weights
-    for mixed precision (4 + 4 + 8). bf16 on DDP: the weights as loaded in bf16 (what the recipes do),
-    so AdamW's m and v are bf16 too (2 + 2 + 4), plus DDP's bucket copy of the gradients when there is
-    more than one rank. fp32: 4 + 4 + 8. Returns `gradients` (all of them: the optimizer step),
+    for mixed precision (4 + 4 + 8). bf16 on DDP: mixed precision as the recipes run it (fp32 weights
+    loaded, bf16 autocast), so fp32 weights, gradients and AdamW m, v (4 + 4 + 8), plus DDP's fp32
+    bucket copy of the gradients when there is more than one rank; pure bf16 weights would round
+    most lr-1e-5 updates away. fp32: 4 + 4 + 8. Returns `gradients` (all of them: the optimizer step),
     `gradients_persistent` (forward and loss: DeepSpeed's flat gradient buffers and DDP's bucket copy
     live through the whole step, torch's `param.grad` only from backward on, `zero_grad(set_to_none=True)`;
     during backward see `backward_gradient_bytes`).
@@ -185,8 +186,6 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
     p_bytes, g_bytes, o_bytes = (4, 4, 8)
     if mixed and deepspeed:
         p_bytes, g_bytes, o_bytes = (2, 2, 12)
-    elif mixed and run.engine == "ddp":
-        p_bytes, g_bytes, o_bytes = (2, 2, 4)
     params, grads, optim = n * p_bytes, n * g_bytes, n * o_bytes
     # DDP's flat gradient buckets (gradient_as_bucket_view=False, torch's default) from two ranks on.
     buckets = grads if run.engine == "ddp" and run.world > 1 else 0.0
@@ -330,10 +329,9 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         offloaded = run.offload_optimizer or (run.offload_params and run.engine == "fsdp2")
         if phase == "optimizer" and not offloaded and not device.host_is_device:
             # One temporary the size of the local optimizer partition: DeepSpeed's fp32 gradient
-            # partition, or torch's foreach AdamW sqrt(v) in the states' dtype (on CPU AdamW steps one
+            # partition, or torch's foreach AdamW sqrt(v) of the fp32 states (on CPU AdamW steps one
             # tensor at a time).
-            state_bytes = 2 if (run.engine == "ddp" and run.dtype == "bf16") else 4
-            terms["optimizer_states"] += state_bytes * model.num_params() / (1 if run.engine == "ddp" else run.world)
+            terms["optimizer_states"] += 4 * model.num_params() / (1 if run.engine == "ddp" else run.world)
         for key, value in dynamic.items():
             terms[key] += value
         activations = sum(v for k, v in dynamic.items() if k != "zero3_gathers")

@@ -41,7 +41,8 @@ def test_text_output_names_terms_dominant_and_verdict(capsys):
 
 
 def test_flags_reach_the_run(capsys):
-    argv = [*QWEN_128K, "--gradient-checkpointing", "--tiled-loss", "--tiled-mlp", "8", "--offload-activations"]
+    flags = ["--gradient-checkpointing", "--tiled-loss", "--tiled-mlp", "8", "--offload-activations"]
+    argv = [*QWEN_128K, *flags, "--gpu", "h200"]  # DDP's fp32 states (75 GiB) need an H200
     code, out = _json(capsys, argv)
     assert out["run"]["tiled_mlp"] == 8 and out["run"]["tiled_loss"] and out["run"]["offload_activations"]
     assert code == 0 and out["breakdown"]["logits_loss"] < 1.0

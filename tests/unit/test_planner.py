@@ -8,9 +8,11 @@ References are computed independently in each test: parameter counts from real t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import (
@@ -36,6 +38,7 @@ from hf_longctx.planner import (
 from hf_longctx.planner.model_shape import ModelShape, load_model_shape, shipped_model_names
 from hf_longctx.planner.terms import layer_bytes, loss_bytes, norm_bytes
 
+ROOT = Path(__file__).resolve().parents[2]
 H100, CPU = DEVICES["h100"], DEVICES["cpu"].with_capacity(1e6)
 LLAMA = load_model_shape("llama3.1-8b")
 QWEN = load_model_shape("qwen3-4b")
@@ -166,6 +169,28 @@ def test_model_states_bytes_per_parameter():
     assert zero["zero1"]["parameters"] == 2 * n and zero["zero1"]["optimizer_states"] == 12 * n / 8
     assert zero["zero2"]["gradients"] == 2 * n / 8 and zero["zero2"]["parameters"] == 2 * n
     assert zero["zero3"]["parameters"] == 2 * n / 8 == zero["zero3"]["gradients_persistent"]
+
+
+def test_ddp_bf16_is_mixed_precision_with_fp32_masters():
+    # The recipes load fp32 weights and autocast to bf16 (pure bf16 AdamW rounds lr-1e-5 updates away).
+    n = LLAMA.num_params()
+    for world, buckets in ((1, 0), (4, 4 * n)):
+        bf16 = model_state_bytes(LLAMA, RunConfig(seq_len=1, world=world, sp=world))
+        assert bf16 == model_state_bytes(LLAMA, RunConfig(seq_len=1, world=world, sp=world, dtype="fp32"))
+        assert (bf16["parameters"], bf16["optimizer_states"]) == (4 * n, 8 * n)
+        assert bf16["gradients"] == 4 * n + buckets and bf16["gradients_persistent"] == buckets
+    plan = estimate(QWEN, RunConfig(seq_len=1024, world=4, sp=4), H100)
+    # AdamW's fp32 m, v plus foreach's fp32 sqrt(v) temporary at the step.
+    assert plan.peak_phase == "optimizer"
+    assert plan.breakdown["optimizer_states"] == pytest.approx(12 * QWEN.num_params() / GIB, abs=1e-3)
+
+
+def test_gpu_recipes_load_fp32_weights_and_autocast_to_bf16():
+    recipes = {p.name: yaml.safe_load(p.read_text()) for p in (ROOT / "recipes").glob("*.yaml")}
+    pretrained = {name: r for name, r in recipes.items() if r.get("model_name_or_path")}
+    assert pretrained
+    for name, recipe in pretrained.items():
+        assert recipe.get("model_dtype") == "float32" and recipe.get("bf16") is True, name
 
 
 def test_offload_moves_states_off_the_device():
