@@ -378,3 +378,27 @@ def test_eager_scores_count_the_blocks_the_kernel_runs(seq):
     blocks = plan_blocks([(0, seq)], 0, None, always_mask=True, max_elements=2**22)
     assert eager_scores(seq, sp=2) == sum((b.q1 - b.q0) * (b.q1 - b.k0) for b in blocks)
     assert eager_scores(seq, sp=1) == seq * seq
+
+
+def test_offloaded_activations_need_host_ram_per_node():
+    flags = {"gradient_checkpointing": True, "offload_activations": True}
+    run = RunConfig(seq_len=131072, world=8, sp=4, engine="zero3", **flags)
+    per_rank = QWEN.layers * (131072 // 4) * QWEN.hidden * 2  # every layer's bf16 input, pinned
+    plan = estimate(QWEN, run, H100)
+    assert plan.host_gib == round(8 * per_rank / GIB, 3) and plan.fits and plan.host_capacity_gib is None
+    two = estimate(QWEN, RunConfig(**{**run.__dict__, "ranks_per_node": 2}), H100)
+    assert two.host_gib == round(2 * per_rank / GIB, 3)
+    limited = RunConfig(**{**run.__dict__, "host_memory_gib": 8 * per_rank / GIB - 1})
+    refused = estimate(QWEN, limited, H100)
+    assert not refused.fits and refused.peak_gib == plan.peak_gib and "--sp" in refused.notes[-1]
+    longest = max_seq_len(QWEN, limited, H100)
+    assert 0 < longest < 131072 and estimate(QWEN, limited.with_seq_len(longest), H100).fits
+    assert estimate(QWEN, RunConfig(seq_len=4096, gradient_checkpointing=True), H100).host_gib == 0
+    assert estimate(QWEN, RunConfig(seq_len=4096, offload_activations=True), CPU).host_gib == 0  # host is the device
+
+
+@pytest.mark.parametrize("backend", ["ring", "hybrid", "auto"])
+def test_unmodelled_sp_backends_are_refused_by_name(backend):
+    with pytest.raises(ValueError, match=f"--sp-backend {backend} is not modelled"):
+        RunConfig(seq_len=1024, world=4, sp=4, sp_backend=backend)
+    assert RunConfig(seq_len=1024, sp_backend="ulysses").sp_backend == "ulysses"
