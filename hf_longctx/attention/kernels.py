@@ -18,14 +18,11 @@ from typing import Any
 
 import torch
 
+from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
 from hf_longctx.data.sharding import document_starts
 
 FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 SUPPORTED_KERNELS = ("sdpa", "eager", "flex_attention", *FLASH_KERNELS)
-# Largest `[q_block, keys]` mask (elements) a masked sdpa / eager block may take: eager's scores
-# are this times the local heads, so memory stays bounded however long the document is.
-MASK_BLOCK_ELEMENTS = 2**22
-MIN_Q_BLOCK = 64
 _PADDING_FREE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from hf_longctx.check.args import add_arguments  # noqa: F401 (re-exported: `python -m hf_longctx.check`)
 from hf_longctx.check.model import (
     SEED,
     build_model,
@@ -29,60 +30,9 @@ from hf_longctx.check.model import (
     valid_labels_per_rank,
 )
 from hf_longctx.check.report import TOP_K, compare, verdict
-from hf_longctx.check.worker import FAULTS, WorkerSpec, kill, launch, log_tail
+from hf_longctx.check.worker import WorkerSpec, kill, launch, log_tail
 
 EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `check` options to `parser`."""
-    parser.add_argument("--model", required=True, help="local folder with config.json, or a config.json file")
-    parser.add_argument("--sp", type=int, required=True, help="sequence-parallel size K (K torchrun ranks)")
-    parser.add_argument(
-        "--seq-len", type=int, default=67, help="tokens per row; odd lengths exercise padding (default: %(default)s)"
-    )
-    parser.add_argument("--batch-size", type=int, default=1, help="rows in the batch (default: %(default)s)")
-    parser.add_argument(
-        "--layers", type=int, default=2, help="num_hidden_layers of the test copy (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--hidden", type=int, default=0, help="shrink hidden size to this (heads kept; 0 keeps the original)"
-    )
-    parser.add_argument(
-        "--attn", choices=("sdpa", "eager"), default="sdpa", help="attention kernel (default: %(default)s)"
-    )
-    parser.add_argument("--packed", action="store_true", help="pack 3 documents per row (restarting positions)")
-    parser.add_argument(
-        "--backend",
-        choices=("ulysses", "ring", "hybrid", "auto"),
-        default="ulysses",
-        help="SP backend under test (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--ulysses-degree", type=int, default=None, help="hybrid/auto: Ulysses degree (default: chosen)"
-    )
-    parser.add_argument(
-        "--ring-variant",
-        choices=("p2p", "allgather"),
-        default=None,
-        help="ring/hybrid variant (default: p2p; auto chooses)",
-    )
-    parser.add_argument(
-        "--tolerance-loss", type=float, default=1e-5, help="max relative loss difference (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--tolerance-grad", type=float, default=1e-4, help="max relative gradient difference (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds before the SP run is killed (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--inject-fault",
-        choices=FAULTS,
-        default=None,
-        help="self-test of the checker: break the SP run on purpose (skip-positions: shard-local position ids); "
-        "the check must then FAIL",
-    )
 
 
 def _validate(args: argparse.Namespace) -> None:

@@ -18,9 +18,6 @@ import torch
 
 from hf_longctx.check.model import build_model, make_batch, step, weights_sha256
 
-# Self-test faults of the checker. "skip-positions": workers feed shard-local position ids
-# (0..S/K-1 on every rank) instead of the global ones, which breaks RoPE and the causal mask.
-FAULTS = ("skip-positions",)
 _GRACE_S = 10.0
 _LOG_TAIL_LINES = 40
 
@@ -38,7 +35,7 @@ class WorkerSpec:
         packed: pack three documents per row (restarting position ids).
         output: file rank 0 writes the results to (`torch.save`).
         pid_dir: folder where every rank writes its process id (to clean up after a timeout).
-        fault: one of `FAULTS` to break the run on purpose, or None.
+        fault: one of `args.FAULTS` to break the run on purpose, or None.
         backend, ulysses_degree, ring_variant: the SP backend under test (`enable_sequence_parallel`).
     """
 

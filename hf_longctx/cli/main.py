@@ -1,7 +1,8 @@
 """The `hf-longctx` command line: `check` (is SP exact for my model?), `plan` (what fits?) and `demo`.
 
 `main(argv)` only parses and dispatches: `check` lives in `hf_longctx/check/`, `plan` in
-`hf_longctx/cli/plan.py`, `demo` hands over to torchrun running `hf_longctx/cli/demo.py`.
+`hf_longctx/cli/plan.py`, `demo` hands over to torchrun running `hf_longctx/cli/demo.py`. Parsing
+imports no torch (`hf-longctx --help` and `plan` answer at once); `check` imports it when it runs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import subprocess
 import sys
 
-from hf_longctx import check
+from hf_longctx.check import args as check_args
 from hf_longctx.cli import plan as plan_cli
 
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Exit 0 = PASS, 1 = FAIL (not exact, crashed or timed out), 2 = invalid input."
         ),
     )
-    check.add_arguments(check_parser)
+    check_args.add_arguments(check_parser)
     plan_parser = commands.add_parser(
         "plan",
         help="per-rank peak memory and the longest sequence that fits, before launching (no GPU needed)",
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "plan":
         return plan_cli.run(args)
-    return check.run(args)
+    from hf_longctx.check.command import run as run_check  # torch: only when a check runs
+
+    return run_check(args)
 
 
 if __name__ == "__main__":

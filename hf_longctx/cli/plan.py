@@ -12,12 +12,13 @@ import os
 import sys
 from typing import Any
 
+from hf_longctx.planner.devices import DEVICES, DeviceProfile
 from hf_longctx.planner.estimate import (
     ATTNS,
-    DEVICES,
     DTYPES,
     ENGINES,
-    DeviceProfile,
+    SP_BACKENDS,
+    UNMODELLED_BACKENDS,
     Plan,
     RunConfig,
     estimate,
@@ -36,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (S)")
     parser.add_argument("--world", type=int, default=None, help="ranks in all (default: --sp)")
     parser.add_argument("--sp", type=int, default=1, help="ranks that split one sequence (Ulysses SP degree)")
+    parser.add_argument(
+        "--sp-backend",
+        choices=(*SP_BACKENDS, *UNMODELLED_BACKENDS),
+        default="ulysses",
+        help=f"SP backend (default ulysses); modelled: {', '.join(SP_BACKENDS)}; "
+        f"not modelled (refused): {', '.join(UNMODELLED_BACKENDS)}",
+    )
     device = parser.add_mutually_exclusive_group()
     device.add_argument("--gpu", choices=sorted(DEVICES), default="h100", help="device profile (default h100)")
     device.add_argument("--gpu-memory", type=float, metavar="GIB", help="a GPU with this many GiB instead")
@@ -54,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="MLP over sequence tiles (N tiles; default ceil(tokens / hidden))",
     )
     parser.add_argument("--offload-activations", action="store_true", help="checkpointed layer inputs on the host")
+    parser.add_argument(
+        "--host-memory",
+        type=float,
+        metavar="GIB",
+        help="host RAM per node for pinned offloaded activations; refused when they do not fit (default: unlimited)",
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=None, help="ranks sharing one node's host RAM (default: min(world, 8))"
+    )
     parser.add_argument("--liger-kernels", action="store_true", help="Liger RMSNorm/SwiGLU/RoPE/fused loss (ALST)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--attn", choices=ATTNS, default="flash", help="attention kernel (default flash)")
@@ -91,6 +108,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params,
         liger_kernels=args.liger_kernels,
+        sp_backend=args.sp_backend,
+        ranks_per_node=args.ranks_per_node,
+        host_memory_gib=args.host_memory,
     )
 
 
@@ -105,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hf-longctx plan: error: {exc}", file=sys.stderr)
         return 2
+    if plan.host_capacity_gib is not None and plan.host_gib > plan.host_capacity_gib:
+        print(f"hf-longctx plan: error: {plan.notes[-1]}", file=sys.stderr)
     if longest is not None:
         plan = Plan(**{**plan.__dict__, "max_seq": longest})
     if args.json:
@@ -134,7 +156,10 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
         f"hf-longctx plan: {model_name} ({plan.num_params / 1e9:.2f}B parameters), S = {run.seq_len:,} tokens, "
         f"world {run.world}, SP {run.sp}, micro-batch {run.micro_batch} -> {plan.tokens_per_rank:,} tokens per rank",
         f"  {run.engine}, {run.dtype}, {run.attn} attention" + (", " + ", ".join(flags) if flags else ""),
-        f"  device {device.name}: {plan.capacity_gib:.2f} GiB",
+        f"  device {device.name}: {plan.capacity_gib:.2f} GiB; SP backend {run.sp_backend} (modelled: "
+        f"{', '.join(SP_BACKENDS)}; not modelled: {', '.join(UNMODELLED_BACKENDS)})",
+        f"  host RAM per node (offloaded activations, {run.node_ranks} ranks): {plan.host_gib:.2f} GiB, limit "
+        + ("none (--host-memory)" if plan.host_capacity_gib is None else f"{plan.host_capacity_gib:g} GiB"),
         "",
         f"  {'term (at the peak phase)':32s} {'GiB':>9s}",
     ]
@@ -142,6 +167,8 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
         lines.append(f"  {term.replace('_', ' '):32s} {gib:9.2f}")
     share = plan.breakdown[plan.dominant] / plan.peak_gib if plan.peak_gib else 0.0
     verdict = "fits" if plan.fits else "does NOT fit"
+    if not plan.fits and plan.peak_gib <= plan.capacity_gib:
+        verdict = "fits the device, NOT the host RAM"
     lines += [
         f"  {'-' * 42}",
         f"  {'peak (' + plan.peak_phase + ' phase)':32s} {plan.peak_gib:9.2f}  of {plan.capacity_gib:.2f}: {verdict}",

@@ -22,16 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_longctx.data.sharding import IGNORE_INDEX
-
-# Logits per tile: 2**24 (64 MiB in float32). The loss works on one such buffer in place (exp and
-# gradient overwrite the logits; TRL's fields keep a second one for exp), so it adds ~64-128 MiB
-# whatever the sequence length or vocabulary.
-TILE_LOGITS = 2**24
-
-
-def tile_tokens(vocab_size: int, tile_logits: int = TILE_LOGITS) -> int:
-    """Tokens per tile so that one tile holds at most `tile_logits` logits (at least one token)."""
-    return max(1, tile_logits // vocab_size)
+from hf_longctx.memory.tiling import TILE_LOGITS, tile_tokens  # noqa: F401 (TILE_LOGITS: re-exported)
 
 
 @dataclass(frozen=True)

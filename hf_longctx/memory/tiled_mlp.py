@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,22 +27,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from hf_longctx.distributed.comm import all_reduce_max
+from hf_longctx.memory.tiling import auto_tiles
 
 logger = logging.getLogger(__name__)
 
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
-
-
-# Fewest tokens per automatic tile: smaller tiles make matmuls too thin to run at full speed.
-MIN_TILE_TOKENS = 4096
-
-
-def auto_tiles(tokens: int, hidden_size: int) -> int:
-    """Default tile count: tiles of `max(hidden_size, MIN_TILE_TOKENS)` tokens. With `hidden_size`
-    tokens (DeepSpeed's `ceil(seqlen / hidden)` rule) a tile's `[tile, intermediate]` activations
-    are no larger than the `[hidden, intermediate]` weight; small models keep 4096-token tiles."""
-    return max(1, math.ceil(tokens / max(hidden_size, MIN_TILE_TOKENS)))
 
 
 def _is_moe(module: torch.nn.Module) -> bool:

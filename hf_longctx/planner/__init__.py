@@ -1,18 +1,19 @@
 """`hf-longctx plan`'s model: per-rank peak memory of one training step and the longest sequence that fits.
 
 `estimate.py` is the main entry (`estimate`, `max_seq_len`), `terms.py` the per-layer and loss
-activation terms, `model_shape.py` the shape numbers read from a model config. The planner imports
-no torch, so `hf-longctx plan` answers in well under a second.
+activation terms, `devices.py` the device profiles, `model_shape.py` the shape numbers read from a
+model config. The planner imports no torch, so `hf-longctx plan` answers in well under a second.
 """
 
+from hf_longctx.planner.devices import DEVICES, DeviceProfile
 from hf_longctx.planner.estimate import (
     ATTNS,
-    DEVICES,
     DTYPES,
     ENGINES,
     GIB,
+    SP_BACKENDS,
     TERMS,
-    DeviceProfile,
+    UNMODELLED_BACKENDS,
     Plan,
     RunConfig,
     estimate,
@@ -33,6 +34,8 @@ __all__ = [
     "ModelShape",
     "Plan",
     "RunConfig",
+    "SP_BACKENDS",
+    "UNMODELLED_BACKENDS",
     "estimate",
     "layer_bytes",
     "load_model_shape",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from hf_longctx.planner.devices import DeviceProfile
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 from hf_longctx.planner.terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes
 
@@ -19,6 +20,9 @@ GIB = 2**30
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 DTYPES = ("bf16", "fp32")
 ATTNS = ("flash", "sdpa", "eager")
+# SP backends: Ulysses is modelled; ring / hybrid / auto (ring K/V exchange buffers, hybrid's split) are not.
+SP_BACKENDS = ("ulysses",)
+UNMODELLED_BACKENDS = ("ring", "hybrid", "auto")
 TERMS = (
     "parameters",
     "gradients",
@@ -37,38 +41,6 @@ DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 @dataclass(frozen=True)
-class DeviceProfile:
-    """One accelerator (or the CPU): usable capacity and the memory no tensor formula sees.
-
-    `runtime_gib` is the fixed cost (CUDA context, NCCL communicators, cuBLAS workspaces; on CPU the
-    process growth of the first step); `fragmentation` is the allocator's slack as a fraction of the
-    step's activation memory. `host_is_device` marks the CPU, where offloading moves nothing.
-    """
-
-    name: str
-    capacity_gib: float
-    runtime_gib: float
-    fragmentation: float
-    host_is_device: bool = False
-
-    def with_capacity(self, capacity_gib: float) -> DeviceProfile:
-        """The same profile with another capacity (`--gpu-memory`)."""
-        return DeviceProfile(self.name, capacity_gib, self.runtime_gib, self.fragmentation, self.host_is_device)
-
-
-# Capacities are what nvidia-smi reports as total memory (MiB / 1024). Runtime: CUDA context (~0.5 GiB)
-# plus NCCL communicator buffers and cuBLAS workspaces (~1 GiB); fragmentation: the caching
-# allocator's slack over the activation working set (a few percent with expandable segments).
-# The CPU runtime term is calibrated once from one measured point (docs/planner.md).
-DEVICES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile("h100", 81559 / 1024, 1.5, 0.05),
-    "h200": DeviceProfile("h200", 143771 / 1024, 1.5, 0.05),
-    "a100-80": DeviceProfile("a100-80", 81920 / 1024, 1.5, 0.05),
-    "cpu": DeviceProfile("cpu", 0.0, 0.052, 0.0, host_is_device=True),
-}
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """What a training run does per rank; field names follow `hf-longctx plan`'s flags.
 
@@ -76,7 +48,9 @@ class RunConfig:
     the engine (hf_longctx hides its SP axis from DeepSpeed / FSDP), so ZeRO and FSDP shard over
     `world`. `tiled_mlp` is False, True (tiles of `hidden` tokens, DeepSpeed's TiledMLP rule) or a
     tile count; `offload_activations` checkpoints every layer, with or without `gradient_checkpointing`.
-    `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`).
+    `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`). `host_memory_gib`
+    is one node's RAM for pinned offloaded activations (None: unlimited), shared by `ranks_per_node`
+    ranks (default: min(world, 8)).
     """
 
     seq_len: int
@@ -94,6 +68,9 @@ class RunConfig:
     offload_params: bool = False
     liger_kernels: bool = False
     loss_chunk_tokens: int | None = None
+    sp_backend: str = "ulysses"
+    ranks_per_node: int | None = None
+    host_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "world", "sp", "micro_batch"):
@@ -118,6 +95,17 @@ class RunConfig:
             raise ValueError(f"tiled_mlp must be True/False or a tile count >= 1, got {self.tiled_mlp!r}.")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}.")
+        if self.sp_backend in UNMODELLED_BACKENDS:
+            raise ValueError(
+                f"--sp-backend {self.sp_backend} is not modelled: the planner models {list(SP_BACKENDS)} only "
+                "(ring attention's K/V exchange buffers are not counted); plan with --sp-backend ulysses."
+            )
+        if self.sp_backend not in SP_BACKENDS:
+            raise ValueError(f"--sp-backend {self.sp_backend!r} is not one of {[*SP_BACKENDS, *UNMODELLED_BACKENDS]}.")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}.")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise ValueError(f"--host-memory must be > 0 GiB, got {self.host_memory_gib}.")
 
     @property
     def checkpointing(self) -> bool:
@@ -128,6 +116,11 @@ class RunConfig:
     def act_bytes(self) -> int:
         """Bytes of one activation element (the compute dtype)."""
         return 2 if self.dtype == "bf16" else 4
+
+    @property
+    def node_ranks(self) -> int:
+        """Ranks sharing one node's host memory."""
+        return self.ranks_per_node or min(self.world, 8)
 
     def with_seq_len(self, seq_len: int) -> RunConfig:
         """The same run at another sequence length."""
@@ -149,6 +142,8 @@ class Plan:
     num_params: int
     max_seq: int | None = None
     notes: list[str] = field(default_factory=list)
+    host_gib: float = 0.0
+    host_capacity_gib: float | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready dict (`hf-longctx plan --json`)."""
@@ -172,9 +167,10 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
 
     bf16 on DeepSpeed: bf16 weights and gradients, fp32 master weights + Adam m and v in the
     optimizer (2 + 2 + 12 bytes per parameter). bf16 on FSDP2: accelerate keeps fp32 sharded weights
-    for mixed precision (4 + 4 + 8). bf16 on DDP: the weights as loaded in bf16 (what the recipes do),
-    so AdamW's m and v are bf16 too (2 + 2 + 4), plus DDP's bucket copy of the gradients when there is
-    more than one rank. fp32: 4 + 4 + 8. Returns `gradients` (all of them: the optimizer step),
+    for mixed precision (4 + 4 + 8). bf16 on DDP: mixed precision as the recipes run it (fp32 weights
+    loaded, bf16 autocast), so fp32 weights, gradients and AdamW m, v (4 + 4 + 8), plus DDP's fp32
+    bucket copy of the gradients when there is more than one rank; pure bf16 weights would round
+    most lr-1e-5 updates away. fp32: 4 + 4 + 8. Returns `gradients` (all of them: the optimizer step),
     `gradients_persistent` (forward and loss: DeepSpeed's flat gradient buffers and DDP's bucket copy
     live through the whole step, torch's `param.grad` only from backward on, `zero_grad(set_to_none=True)`;
     during backward see `backward_gradient_bytes`).
@@ -185,8 +181,6 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
     p_bytes, g_bytes, o_bytes = (4, 4, 8)
     if mixed and deepspeed:
         p_bytes, g_bytes, o_bytes = (2, 2, 12)
-    elif mixed and run.engine == "ddp":
-        p_bytes, g_bytes, o_bytes = (2, 2, 4)
     params, grads, optim = n * p_bytes, n * g_bytes, n * o_bytes
     # DDP's flat gradient buckets (gradient_as_bucket_view=False, torch's default) from two ranks on.
     buckets = grads if run.engine == "ddp" and run.world > 1 else 0.0
@@ -282,9 +276,20 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         resident = min(2, n_layers)  # the layer being recomputed and the prefetched one
     elif run.offload_activations:
         notes.append("on the CPU, offloaded activations stay in the same memory: no saving")
-    if resident < n_layers:
-        host = _gib((n_layers - resident) * checkpoint)
-        notes.append(f"{n_layers - resident} checkpointed layer inputs ({host} GiB) live on the host")
+    # offload_activations copies every layer's input to pinned host memory, per rank on the node.
+    host = n_layers * checkpoint * run.node_ranks if run.offload_activations and not device.host_is_device else 0.0
+    host_fits = run.host_memory_gib is None or host <= run.host_memory_gib * GIB
+    if host:
+        notes.append(
+            f"{n_layers} offloaded layer inputs per rank ({_gib(host / run.node_ranks)} GiB) x {run.node_ranks} "
+            f"ranks = {_gib(host)} GiB pinned on the host per node"
+        )
+    if not host_fits:
+        notes.append(
+            f"offloaded activations need {_gib(host)} GiB of host memory per node, more than --host-memory "
+            f"{run.host_memory_gib:g}: use fewer tokens (--seq-len, --micro-batch), more SP (--sp) or no "
+            "--offload-activations"
+        )
     stored = resident * per_layer + layer.shared
     # The backward at its last layer: only layer 0's saved tensors (or input) are left.
     stored_last = per_layer + layer.shared
@@ -330,10 +335,9 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         offloaded = run.offload_optimizer or (run.offload_params and run.engine == "fsdp2")
         if phase == "optimizer" and not offloaded and not device.host_is_device:
             # One temporary the size of the local optimizer partition: DeepSpeed's fp32 gradient
-            # partition, or torch's foreach AdamW sqrt(v) in the states' dtype (on CPU AdamW steps one
+            # partition, or torch's foreach AdamW sqrt(v) of the fp32 states (on CPU AdamW steps one
             # tensor at a time).
-            state_bytes = 2 if (run.engine == "ddp" and run.dtype == "bf16") else 4
-            terms["optimizer_states"] += state_bytes * model.num_params() / (1 if run.engine == "ddp" else run.world)
+            terms["optimizer_states"] += 4 * model.num_params() / (1 if run.engine == "ddp" else run.world)
         for key, value in dynamic.items():
             terms[key] += value
         activations = sum(v for k, v in dynamic.items() if k != "zero3_gathers")
@@ -350,7 +354,7 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     return Plan(
         peak_gib=round(peak, 3),
         capacity_gib=round(capacity, 3),
-        fits=peak <= capacity,
+        fits=peak <= capacity and host_fits,
         breakdown=breakdown,
         dominant=max(breakdown, key=breakdown.get),
         peak_phase=peak_phase,
@@ -358,6 +362,8 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         tokens_per_rank=tokens,
         num_params=model.num_params(),
         notes=notes,
+        host_gib=_gib(host),
+        host_capacity_gib=run.host_memory_gib,
     )
 
 

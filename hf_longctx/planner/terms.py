@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hf_longctx.attention.kernels import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
-from hf_longctx.memory.lm_head import tile_tokens
-from hf_longctx.memory.tiled_mlp import auto_tiles
+from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
+from hf_longctx.memory.tiling import auto_tiles, tile_tokens
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 
 if TYPE_CHECKING:

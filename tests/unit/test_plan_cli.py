@@ -41,7 +41,8 @@ def test_text_output_names_terms_dominant_and_verdict(capsys):
 
 
 def test_flags_reach_the_run(capsys):
-    argv = [*QWEN_128K, "--gradient-checkpointing", "--tiled-loss", "--tiled-mlp", "8", "--offload-activations"]
+    flags = ["--gradient-checkpointing", "--tiled-loss", "--tiled-mlp", "8", "--offload-activations"]
+    argv = [*QWEN_128K, *flags, "--gpu", "h200"]  # DDP's fp32 states (75 GiB) need an H200
     code, out = _json(capsys, argv)
     assert out["run"]["tiled_mlp"] == 8 and out["run"]["tiled_loss"] and out["run"]["offload_activations"]
     assert code == 0 and out["breakdown"]["logits_loss"] < 1.0
@@ -87,3 +88,21 @@ def test_invalid_input_exits_2_naming_the_fix(capsys, extra, message):
 def test_unknown_model_exits_2(capsys):
     assert main(["plan", "--model", "nope", "--seq-len", "8"]) == 2
     assert "qwen3-4b" in capsys.readouterr().err
+
+
+def test_host_memory_refuses_offload_that_does_not_fit(capsys):
+    argv = [*QWEN_128K, "--engine", "zero3", "--gradient-checkpointing", "--offload-activations"]
+    assert main([*argv, "--host-memory", "1000"]) == 0
+    text = capsys.readouterr().out
+    assert "host RAM per node (offloaded activations, 4 ranks): 22.50 GiB, limit 1000 GiB" in text
+    assert "SP backend ulysses (modelled: ulysses; not modelled: ring, hybrid, auto)" in text
+    assert main([*argv, "--host-memory", "16"]) == 1
+    captured = capsys.readouterr()
+    assert "NOT the host RAM" in captured.out and "more SP (--sp) or no --offload-activations" in captured.err
+    _, out = _json(capsys, [*argv, "--host-memory", "16", "--ranks-per-node", "2"])
+    assert out["fits"] and out["host_gib"] == 11.25 and out["host_capacity_gib"] == 16
+
+
+def test_unmodelled_backend_exits_2(capsys):
+    assert main([*QWEN_128K, "--sp-backend", "ring"]) == 2
+    assert "--sp-backend ring is not modelled" in capsys.readouterr().err

@@ -8,9 +8,11 @@ References are computed independently in each test: parameter counts from real t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import (
@@ -36,6 +38,7 @@ from hf_longctx.planner import (
 from hf_longctx.planner.model_shape import ModelShape, load_model_shape, shipped_model_names
 from hf_longctx.planner.terms import layer_bytes, loss_bytes, norm_bytes
 
+ROOT = Path(__file__).resolve().parents[2]
 H100, CPU = DEVICES["h100"], DEVICES["cpu"].with_capacity(1e6)
 LLAMA = load_model_shape("llama3.1-8b")
 QWEN = load_model_shape("qwen3-4b")
@@ -166,6 +169,28 @@ def test_model_states_bytes_per_parameter():
     assert zero["zero1"]["parameters"] == 2 * n and zero["zero1"]["optimizer_states"] == 12 * n / 8
     assert zero["zero2"]["gradients"] == 2 * n / 8 and zero["zero2"]["parameters"] == 2 * n
     assert zero["zero3"]["parameters"] == 2 * n / 8 == zero["zero3"]["gradients_persistent"]
+
+
+def test_ddp_bf16_is_mixed_precision_with_fp32_masters():
+    # The recipes load fp32 weights and autocast to bf16 (pure bf16 AdamW rounds lr-1e-5 updates away).
+    n = LLAMA.num_params()
+    for world, buckets in ((1, 0), (4, 4 * n)):
+        bf16 = model_state_bytes(LLAMA, RunConfig(seq_len=1, world=world, sp=world))
+        assert bf16 == model_state_bytes(LLAMA, RunConfig(seq_len=1, world=world, sp=world, dtype="fp32"))
+        assert (bf16["parameters"], bf16["optimizer_states"]) == (4 * n, 8 * n)
+        assert bf16["gradients"] == 4 * n + buckets and bf16["gradients_persistent"] == buckets
+    plan = estimate(QWEN, RunConfig(seq_len=1024, world=4, sp=4), H100)
+    # AdamW's fp32 m, v plus foreach's fp32 sqrt(v) temporary at the step.
+    assert plan.peak_phase == "optimizer"
+    assert plan.breakdown["optimizer_states"] == pytest.approx(12 * QWEN.num_params() / GIB, abs=1e-3)
+
+
+def test_gpu_recipes_load_fp32_weights_and_autocast_to_bf16():
+    recipes = {p.name: yaml.safe_load(p.read_text()) for p in (ROOT / "recipes").glob("*.yaml")}
+    pretrained = {name: r for name, r in recipes.items() if r.get("model_name_or_path")}
+    assert pretrained
+    for name, recipe in pretrained.items():
+        assert recipe.get("model_dtype") == "float32" and recipe.get("bf16") is True, name
 
 
 def test_offload_moves_states_off_the_device():
@@ -353,3 +378,27 @@ def test_eager_scores_count_the_blocks_the_kernel_runs(seq):
     blocks = plan_blocks([(0, seq)], 0, None, always_mask=True, max_elements=2**22)
     assert eager_scores(seq, sp=2) == sum((b.q1 - b.q0) * (b.q1 - b.k0) for b in blocks)
     assert eager_scores(seq, sp=1) == seq * seq
+
+
+def test_offloaded_activations_need_host_ram_per_node():
+    flags = {"gradient_checkpointing": True, "offload_activations": True}
+    run = RunConfig(seq_len=131072, world=8, sp=4, engine="zero3", **flags)
+    per_rank = QWEN.layers * (131072 // 4) * QWEN.hidden * 2  # every layer's bf16 input, pinned
+    plan = estimate(QWEN, run, H100)
+    assert plan.host_gib == round(8 * per_rank / GIB, 3) and plan.fits and plan.host_capacity_gib is None
+    two = estimate(QWEN, RunConfig(**{**run.__dict__, "ranks_per_node": 2}), H100)
+    assert two.host_gib == round(2 * per_rank / GIB, 3)
+    limited = RunConfig(**{**run.__dict__, "host_memory_gib": 8 * per_rank / GIB - 1})
+    refused = estimate(QWEN, limited, H100)
+    assert not refused.fits and refused.peak_gib == plan.peak_gib and "--sp" in refused.notes[-1]
+    longest = max_seq_len(QWEN, limited, H100)
+    assert 0 < longest < 131072 and estimate(QWEN, limited.with_seq_len(longest), H100).fits
+    assert estimate(QWEN, RunConfig(seq_len=4096, gradient_checkpointing=True), H100).host_gib == 0
+    assert estimate(QWEN, RunConfig(seq_len=4096, offload_activations=True), CPU).host_gib == 0  # host is the device
+
+
+@pytest.mark.parametrize("backend", ["ring", "hybrid", "auto"])
+def test_unmodelled_sp_backends_are_refused_by_name(backend):
+    with pytest.raises(ValueError, match=f"--sp-backend {backend} is not modelled"):
+        RunConfig(seq_len=1024, world=4, sp=4, sp_backend=backend)
+    assert RunConfig(seq_len=1024, sp_backend="ulysses").sp_backend == "ulysses"
