@@ -13,18 +13,9 @@ import sys
 from typing import Any
 
 from hf_longctx.planner.devices import DEVICES, DeviceProfile
-from hf_longctx.planner.estimate import (
-    ATTNS,
-    DTYPES,
-    ENGINES,
-    SP_BACKENDS,
-    UNMODELLED_BACKENDS,
-    Plan,
-    RunConfig,
-    estimate,
-    max_seq_len,
-)
+from hf_longctx.planner.estimate import Plan, estimate, max_seq_len
 from hf_longctx.planner.model_shape import load_model_shape, shipped_model_names
+from hf_longctx.planner.run import ATTNS, DTYPES, ENGINES, SP_BACKENDS, UNMODELLED_BACKENDS, RunConfig
 
 GENERIC_GPU = DeviceProfile("gpu", 0.0, DEVICES["h100"].runtime_gib, DEVICES["h100"].fragmentation)
 

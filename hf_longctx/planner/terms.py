@@ -16,7 +16,7 @@ from hf_longctx.memory.tiling import auto_tiles, tile_tokens
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 
 if TYPE_CHECKING:
-    from hf_longctx.planner.estimate import RunConfig
+    from hf_longctx.planner.run import RunConfig
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,100 @@
+"""What a training run does per rank (`RunConfig`), apart from the estimate so `terms.py` can name it
+without importing `estimate.py` (which imports `terms.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+DTYPES = ("bf16", "fp32")
+ATTNS = ("flash", "sdpa", "eager")
+# SP backends: Ulysses is modelled; ring / hybrid / auto (ring K/V exchange buffers, hybrid's split) are not.
+SP_BACKENDS = ("ulysses",)
+UNMODELLED_BACKENDS = ("ring", "hybrid", "auto")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a training run does per rank; field names follow `hf-longctx plan`'s flags.
+
+    `world` ranks in all, `sp` of them split each sequence; every rank is a data-parallel rank to
+    the engine (hf_longctx hides its SP axis from DeepSpeed / FSDP), so ZeRO and FSDP shard over
+    `world`. `tiled_mlp` is False, True (tiles of `hidden` tokens, DeepSpeed's TiledMLP rule) or a
+    tile count; `offload_activations` checkpoints every layer, with or without `gradient_checkpointing`.
+    `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`). `host_memory_gib`
+    is one node's RAM for pinned offloaded activations (None: unlimited), shared by `ranks_per_node`
+    ranks (default: min(world, 8)).
+    """
+
+    seq_len: int
+    world: int = 1
+    sp: int = 1
+    micro_batch: int = 1
+    engine: str = "ddp"
+    dtype: str = "bf16"
+    attn: str = "flash"
+    gradient_checkpointing: bool = False
+    tiled_loss: bool = False
+    tiled_mlp: bool | int = False
+    offload_activations: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    liger_kernels: bool = False
+    loss_chunk_tokens: int | None = None
+    sp_backend: str = "ulysses"
+    ranks_per_node: int | None = None
+    host_memory_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("seq_len", "world", "sp", "micro_batch"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}.")
+        if self.world % self.sp:
+            raise ValueError(f"--world ({self.world}) must be a multiple of --sp ({self.sp}).")
+        for key, allowed in (("engine", ENGINES), ("dtype", DTYPES), ("attn", ATTNS)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"--{key} {getattr(self, key)!r} is not one of {list(allowed)}.")
+        if self.offload_optimizer and self.engine not in ("zero1", "zero2", "zero3"):
+            raise ValueError(
+                "--offload-optimizer needs a DeepSpeed engine (--engine zero1/zero2/zero3); FSDP2 offloads "
+                "parameters, gradients and optimizer states together: use --engine fsdp2 --offload-params."
+            )
+        if self.offload_params and self.engine not in ("zero3", "fsdp2"):
+            raise ValueError("--offload-params needs --engine zero3 or --engine fsdp2 (sharded parameters).")
+        if self.offload_params and self.engine == "zero3" and not self.offload_optimizer:
+            raise ValueError("DeepSpeed offloads parameters only with the optimizer: add --offload-optimizer.")
+        if not isinstance(self.tiled_mlp, bool) and (not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 1):
+            raise ValueError(f"tiled_mlp must be True/False or a tile count >= 1, got {self.tiled_mlp!r}.")
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}.")
+        if self.sp_backend in UNMODELLED_BACKENDS:
+            raise ValueError(
+                f"--sp-backend {self.sp_backend} is not modelled: the planner models {list(SP_BACKENDS)} only "
+                "(ring attention's K/V exchange buffers are not counted); plan with --sp-backend ulysses."
+            )
+        if self.sp_backend not in SP_BACKENDS:
+            raise ValueError(f"--sp-backend {self.sp_backend!r} is not one of {[*SP_BACKENDS, *UNMODELLED_BACKENDS]}.")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}.")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise ValueError(f"--host-memory must be > 0 GiB, got {self.host_memory_gib}.")
+
+    @property
+    def checkpointing(self) -> bool:
+        """Every decoder layer is checkpointed: `offload_activations` checkpoints them itself."""
+        return self.gradient_checkpointing or self.offload_activations
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one activation element (the compute dtype)."""
+        return 2 if self.dtype == "bf16" else 4
+
+    @property
+    def node_ranks(self) -> int:
+        """Ranks sharing one node's host memory."""
+        return self.ranks_per_node or min(self.world, 8)
+
+    def with_seq_len(self, seq_len: int) -> RunConfig:
+        """The same run at another sequence length."""
+        return RunConfig(**{**asdict(self), "seq_len": seq_len})
