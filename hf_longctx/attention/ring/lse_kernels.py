@@ -200,6 +200,7 @@ def choose_kernel(
     else:
         kernel = _MATH
     kind = "packed" if varlen else "masked" if masked else "dense"
+    kind += "" if same_head_size else " (unequal head sizes)"
     key = (device_type, str(dtype), kind)
     if key not in _LOGGED:
         _LOGGED.add(key)
