@@ -45,7 +45,18 @@ def _dataset(n: int = 8):
     return Dataset.from_list(rows)
 
 
-def _trainer(out_dir: str, sp: int, **overrides: Any):
+def _skew(trainer: Any) -> None:
+    """Make this rank's generated completions differ from its SP peer's (below the SP patch)."""
+    inner = trainer._generate_single_turn
+
+    def skewed(*args: Any, **kwargs: Any):
+        completion_ids, logprobs = inner(*args, **kwargs)
+        return [ids[::-1] + [3] for ids in completion_ids], logprobs
+
+    trainer._generate_single_turn = skewed
+
+
+def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
     from trl import GRPOTrainer
 
     parallelism = hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
@@ -76,6 +87,8 @@ def _trainer(out_dir: str, sp: int, **overrides: Any):
         train_dataset=_dataset(),
         processing_class=tiny_tokenizer(),
     )
+    if skew:
+        _skew(trainer)
     state = sp_state(trainer)
     if state is not None:
         install_grpo_sp(trainer, state)
@@ -115,7 +128,7 @@ def loss_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     inputs = _fixed_inputs()
     # As TRL computes it: the token count gathered over every rank.
     inputs["num_items_in_batch"] = trainer.accelerator.gather(inputs["completion_mask"].sum()).sum()
-    results = {}
+    results: dict[str, Any] = {"attn": trainer.model.config._attn_implementation}
     for loss_type, level in LOSS_TYPES:
         trainer.loss_type, trainer.importance_sampling_level = loss_type, level
         model.zero_grad(set_to_none=True)
@@ -129,16 +142,7 @@ def loss_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
 
 def train_job(rank: int, world_size: int, out_dir: str, diverge: bool = False) -> dict[str, Any]:
     """A real 2-step `train()` (generation with transformers); `diverge`: rank 1 samples other completions."""
-    trainer = _trainer(os.path.join(out_dir, "train"), world_size)
-    if diverge and rank == 1:
-        # Below the SP patch: the completions this rank generated differ from its SP peer's.
-        inner = type(trainer)._generate_single_turn
-
-        def skewed(self, *args, **kwargs):
-            completion_ids, logprobs = inner(self, *args, **kwargs)
-            return [ids[::-1] + [3] for ids in completion_ids], logprobs
-
-        type(trainer)._generate_single_turn = skewed
+    trainer = _trainer(os.path.join(out_dir, "train"), world_size, skew=diverge and rank == 1)
     trainer.train()
     logs = [
         {k: v for k, v in entry.items() if k in ("loss", "grad_norm", "reward")}
@@ -146,3 +150,14 @@ def train_job(rank: int, world_size: int, out_dir: str, diverge: bool = False) -
         if "loss" in entry
     ]
     return {"global_step": trainer.state.global_step, "logs": logs}
+
+
+def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Everything the SP=2 side checks, in one spawn: the loss pass, a real train, and diverging ranks."""
+    result = {"loss": loss_job(rank, world_size, out_dir), "train": train_job(rank, world_size, out_dir)}
+    try:
+        train_job(rank, world_size, os.path.join(out_dir, "diverge"), diverge=True)
+        result["diverge"] = None
+    except ValueError as exc:
+        result["diverge"] = str(exc)
+    return result
