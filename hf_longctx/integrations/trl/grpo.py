@@ -229,8 +229,10 @@ def _make_loader(original: Callable[..., Any]) -> Callable[..., Any]:
     def get_dataloader(*args: Any, **kwargs: Any) -> Any:
         # GRPO batches are prompts (a list of dicts), sharded only after generation: keep TRL's collate.
         loader = original(*args, **kwargs)
-        if isinstance(loader.collate_fn, SequenceShardingCollator):
-            loader.collate_fn = loader.collate_fn.collate_fn
+        # accelerate's loader adapts `base_dataloader`, which is the one iterated: unwrap both.
+        for obj in (loader, getattr(loader, "base_dataloader", None)):
+            if obj is not None and isinstance(obj.__dict__.get("collate_fn"), SequenceShardingCollator):
+                obj.collate_fn = obj.collate_fn.collate_fn
         return loader
 
     return get_dataloader
