@@ -212,9 +212,25 @@ def check_same_generation(state: SequenceParallelState, prompt_ids: Any, complet
         )
 
 
+def share_sampling_rng(state: SequenceParallelState) -> None:
+    """Give every SP rank of the group its SP rank 0's RNG state (CPU and the current CUDA device).
+
+    GRPOTrainer seeds each rank differently (`set_seed(seed, device_specific=True)`), so DP ranks
+    sample different completions; the SP ranks of a group must sample the same ones.
+    """
+    local = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        local.append(torch.cuda.get_rng_state())
+    first = all_gather_object(local, state.groups.sp_group)[0]
+    torch.set_rng_state(first[0])
+    if len(first) > 1:
+        torch.cuda.set_rng_state(first[1])
+
+
 def _make_generate(trainer: Any, state: SequenceParallelState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_single_turn(prompt_ids, *args, **kwargs):
+            share_sampling_rng(state)
             with plain_model(state, trainer.model):
                 completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
             check_same_generation(state, prompt_ids, completion_ids)
