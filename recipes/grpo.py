@@ -52,6 +52,9 @@ def main() -> None:
     if state is not None:
         install_grpo_sp(trainer, state)  # until the lead wires it into prepare_trainer
     trainer.train()
+    sp = state.groups.sp_world_size if state is not None else 1
+    attention = trainer.model.config._attn_implementation
+    print(f"grpo recipe: {trainer.state.global_step} steps, sp={sp}, attention={attention}")
 
 
 if __name__ == "__main__":
