@@ -1,0 +1,1 @@
+"""TRL trainer integrations (GRPO: grpo.py)."""

@@ -1,0 +1,163 @@
+"""Spawned GRPO jobs for `test_grpo.py`: one loss/gradient pass per `loss_type` on fixed completions, and a
+real `GRPOTrainer.train()` generating with transformers on CPU."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import hf_longctx
+from hf_longctx.integrations.trainer.accelerator import sp_state
+from hf_longctx.integrations.trl.grpo import grpo_config, install_grpo_sp
+from tests._models import tiny_model
+from tests.dist._trainer_utils import tiny_tokenizer
+
+# (loss_type, importance_sampling_level): luspo needs sequence level, the others run at token level.
+LOSS_TYPES = (
+    ("grpo", "token"),
+    ("bnpo", "token"),
+    ("dr_grpo", "token"),
+    ("dapo", "token"),
+    ("cispo", "token"),
+    ("sapo", "token"),
+    ("luspo", "sequence"),
+    ("vespo", "token"),
+    ("grpo", "sequence"),
+)
+PROMPT_LEN, COMPLETION_LEN, ROWS = 5, 6, 4
+
+
+def toy_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """Reward = how often token "t5" appears in the completion (a deterministic toy)."""
+    return [float(str(c).split().count("t5")) for c in completions]
+
+
+def _dataset(n: int = 8):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 128, (2 + i % 3,), generator=g).tolist()
+        rows.append({"prompt": " ".join(f"t{t}" for t in ids)})
+    return Dataset.from_list(rows)
+
+
+def _skew(trainer: Any) -> None:
+    """Make this rank's generated completions differ from its SP peer's (below the SP patch)."""
+    inner = trainer._generate_single_turn
+
+    def skewed(*args: Any, **kwargs: Any):
+        completion_ids, logprobs = inner(*args, **kwargs)
+        return [ids[::-1] + [3] for ids in completion_ids], logprobs
+
+    trainer._generate_single_turn = skewed
+
+
+def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
+    from trl import GRPOTrainer
+
+    parallelism = hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
+    fields = dict(
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        seed=1,
+        bf16=False,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=COMPLETION_LEN,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.1,
+        max_grad_norm=1e9,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        parallelism_config=parallelism,
+    )
+    args = grpo_config(**{**fields, **overrides})
+    trainer = GRPOTrainer(
+        model=tiny_model("llama"),
+        reward_funcs=toy_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    if skew:
+        _skew(trainer)
+    state = sp_state(trainer)
+    if state is not None:
+        install_grpo_sp(trainer, state)
+    return trainer
+
+
+def _fixed_inputs() -> dict[str, torch.Tensor]:
+    """Left-padded prompts, right-padded completions (11 tokens: odd, so SP pads), advantages, old log-probs."""
+    g = torch.Generator().manual_seed(3)
+    prompt_ids = torch.randint(3, 128, (ROWS, PROMPT_LEN), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    for row, pad in enumerate((0, 2, 1, 3)):
+        prompt_mask[row, :pad] = 0
+    prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, 0)
+    completion_ids = torch.randint(3, 128, (ROWS, COMPLETION_LEN), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    for row, n in enumerate((6, 4, 5, 2)):
+        completion_mask[row, n:] = 0
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.7, -1.2]),
+        # Off-policy old log-probs: ratios away from 1, so clipping and the IS weights matter.
+        "old_per_token_logps": -4.8 + 0.3 * torch.randn(ROWS, COMPLETION_LEN, generator=g),
+    }
+
+
+def loss_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Loss, grad_norm and every parameter's gradient of one `_compute_loss` per loss type."""
+    trainer = _trainer(os.path.join(out_dir, "loss"), world_size)
+    model = trainer.accelerator.prepare(trainer.model)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train() at each step
+    inputs = _fixed_inputs()
+    # As TRL computes it: the token count gathered over every rank.
+    inputs["num_items_in_batch"] = trainer.accelerator.gather(inputs["completion_mask"].sum()).sum()
+    results: dict[str, Any] = {"attn": trainer.model.config._attn_implementation}
+    for loss_type, level in LOSS_TYPES:
+        trainer.loss_type, trainer.importance_sampling_level = loss_type, level
+        model.zero_grad(set_to_none=True)
+        loss = trainer._compute_loss(model, dict(inputs))
+        trainer.accelerator.backward(loss)
+        grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        results[f"{loss_type}/{level}"] = {"loss": loss.item(), "grad_norm": norm.item(), "grads": grads}
+    return results
+
+
+def train_job(rank: int, world_size: int, out_dir: str, diverge: bool = False) -> dict[str, Any]:
+    """A real 2-step `train()` (generation with transformers); `diverge`: rank 1 samples other completions."""
+    trainer = _trainer(os.path.join(out_dir, "train"), world_size, skew=diverge and rank == 1)
+    trainer.train()
+    logs = [
+        {k: v for k, v in entry.items() if k in ("loss", "grad_norm", "reward")}
+        for entry in trainer.state.log_history
+        if "loss" in entry
+    ]
+    return {"global_step": trainer.state.global_step, "logs": logs}
+
+
+def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Everything the SP=2 side checks, in one spawn: the loss pass, a real train, and diverging ranks."""
+    result = {"loss": loss_job(rank, world_size, out_dir), "train": train_job(rank, world_size, out_dir)}
+    try:
+        train_job(rank, world_size, os.path.join(out_dir, "diverge"), diverge=True)
+        result["diverge"] = None
+    except ValueError as exc:
+        result["diverge"] = str(exc)
+    return result
