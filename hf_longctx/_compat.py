@@ -146,3 +146,17 @@ def liger_fused_linear_cross_entropy() -> Callable[..., Any] | None:
     except ImportError:
         return None
     return fn
+
+
+def abort_process_groups() -> None:
+    """Abort every process group without waiting for peers (NCCL: `ncclCommAbort`; gloo closes its pairs).
+
+    torch has no public abort; `distributed_c10d._abort_process_group` (experimental, torch >= 2.4) aborts
+    every group. Raises `RuntimeError` where this torch has none.
+    """
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.distributed abort; cannot abort its groups.")
+    abort(None)
