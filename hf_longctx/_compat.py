@@ -18,6 +18,7 @@ import transformers
 from packaging import version
 
 TRANSFORMERS_VERSION = version.parse(transformers.__version__)
+TORCH_VERSION = version.parse(torch.__version__.split("+")[0])
 MIN_TRANSFORMERS = version.parse("5.0.0")
 
 
@@ -160,3 +161,9 @@ def abort_process_groups() -> None:
     if abort is None:
         raise RuntimeError(f"torch {torch.__version__} has no torch.distributed abort; cannot abort its groups.")
     abort(None)
+
+
+def has_matmul_out_dtype() -> bool:
+    """True where `torch.addmm(..., out_dtype=torch.float32)` exists (CUDA, torch >= 2.8): a bfloat16 matmul
+    that accumulates into a float32 tensor without a float32 copy of its operands."""
+    return TORCH_VERSION >= version.parse("2.8")
