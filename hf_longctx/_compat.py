@@ -19,6 +19,7 @@ import transformers
 from packaging import version
 
 TRANSFORMERS_VERSION = version.parse(transformers.__version__)
+TORCH_VERSION = version.parse(torch.__version__.split("+")[0])
 MIN_TRANSFORMERS = version.parse("5.0.0")
 
 
@@ -180,3 +181,23 @@ def op_parameters(fn: Callable[..., Any]) -> dict[str, bool]:
     if not named:
         raise ValueError(f"{fn!r} exposes no parameter names (neither a torch op schema nor a Python signature).")
     return named
+
+
+def abort_process_groups() -> None:
+    """Abort every process group without waiting for peers (NCCL: `ncclCommAbort`; gloo closes its pairs).
+
+    torch has no public abort; `distributed_c10d._abort_process_group` (experimental, torch >= 2.4) aborts
+    every group. Raises `RuntimeError` where this torch has none.
+    """
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.distributed abort; cannot abort its groups.")
+    abort(None)
+
+
+def has_matmul_out_dtype() -> bool:
+    """True where `torch.addmm(..., out_dtype=torch.float32)` exists (CUDA, torch >= 2.8): a bfloat16 matmul
+    that accumulates into a float32 tensor without a float32 copy of its operands."""
+    return TORCH_VERSION >= version.parse("2.8")

@@ -46,11 +46,12 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         default="zigzag", metadata={"help": f"ring/hybrid token layout: one of {list(RING_LAYOUTS)}."}
     )
 
-    tiled_loss: bool = field(
+    tiled_loss: bool | str = field(
         default=False,
         metadata={
             "help": "LM head + cross-entropy in token tiles: the [tokens, vocab] logits of a training forward are "
-            "never materialised (each tile holds about as many logits as the shard has hidden-state values)."
+            "never materialised (each tile holds about as many logits as the shard has hidden-state values). "
+            "True = hf_longctx's tiles; 'liger' = Liger's fused linear cross-entropy (CUDA, liger-kernel)."
         },
     )
     tiled_mlp: bool | int = field(
@@ -169,9 +170,10 @@ class ParallelismConfig(_AccelerateParallelismConfig):
 
 
 def _check_memory_flags(config: ParallelismConfig) -> None:
-    for name in ("tiled_loss", "offload_activations"):
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}.")
+    if not (isinstance(config.tiled_loss, bool) or config.tiled_loss == "liger"):
+        raise ValueError(f"tiled_loss must be True, False or 'liger', got {config.tiled_loss!r}.")
+    if not isinstance(config.offload_activations, bool):
+        raise ValueError(f"offload_activations must be True or False, got {config.offload_activations!r}.")
     tiles = config.tiled_mlp
     if not isinstance(tiles, bool) and not (isinstance(tiles, int) and tiles >= 1):
         raise ValueError(f"tiled_mlp must be True, False or a tile count >= 1, got {tiles!r}.")

@@ -7,18 +7,31 @@ and the group's timeout. How long a peer can wait is the group's timeout: hf_lon
 follow the default process group's (`resolve_timeout`), i.e. `init_process_group(timeout=...)`, which the
 Trainer sets from `TrainingArguments.ddp_timeout` (`apply_timeout` also applies it on CPU, where
 transformers does not pass it on).
+
+At exit `shutdown_process_groups` tears the groups down within a bound: `destroy_process_group` flushes
+pending work first, which on NCCL after a failure waits for a dead peer until the watchdog fires (the
+group timeout, 900 s in the GPU recipes); past the bound, or at once after a collective failed here, the
+groups are aborted instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch.distributed as dist
 
 from hf_longctx import _compat
+
+logger = logging.getLogger(__name__)
+# How long an exiting rank lets destroy_process_group (then abort) run before it gives up on it. A healthy
+# destroy takes milliseconds; only a dead or stuck peer makes it wait.
+SHUTDOWN_DEADLINE_S = 30.0
+_FAILED: list[str] = []  # the collectives that failed on this rank (see shutdown_process_groups)
 
 
 class CollectiveError(RuntimeError):
@@ -48,6 +61,7 @@ def collective_failure(op: str, group: dist.ProcessGroup | None) -> Iterator[Non
     except RuntimeError as exc:
         if group is None:
             raise
+        _FAILED.append(op)
         ranks, timeout = _describe(group)
         rank = dist.get_rank() if dist.is_initialized() else -1
         raise CollectiveError(
@@ -79,3 +93,51 @@ def apply_timeout(groups: Iterable[dist.ProcessGroup | None], seconds: float) ->
     for group in groups:
         if _compat.group_timeout(group) not in (None, timeout):
             _compat.set_group_timeout(group, timeout)
+
+
+def _bounded(step: str, fn: Callable[[], None], deadline_s: float) -> bool:
+    """Run `fn` in a daemon thread; True when it returned within `deadline_s` seconds without raising."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except Exception as exc:  # reported below, on the calling thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name=f"hf_longctx-{step}", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        logger.warning("hf_longctx: %s of the process groups did not return within %g s", step, deadline_s)
+        return False
+    if errors:
+        logger.warning("hf_longctx: %s of the process groups failed: %s", step, errors[0])
+        return False
+    return True
+
+
+def shutdown_process_groups(deadline_s: float | None = None) -> bool:
+    """Destroy every process group of this process, waiting at most `deadline_s` (default
+    `SHUTDOWN_DEADLINE_S`) per step.
+
+    After a collective failed on this rank the groups are aborted at once (a destroy would wait for the
+    dead peer); otherwise they are destroyed, and aborted if the destroy does not return in time. A step
+    still stuck past its deadline is left to its daemon thread and the process exits anyway.
+
+    Returns:
+        True when the groups were torn down (destroyed or aborted), False when every step gave up.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    deadline_s = SHUTDOWN_DEADLINE_S if deadline_s is None else deadline_s
+    steps: list[tuple[str, Callable[[], None]]] = [("abort", _compat.abort_process_groups)]
+    if _FAILED:
+        logger.warning("hf_longctx: %s failed on this rank; aborting the process groups at exit", _FAILED[0])
+    else:
+        steps.insert(0, ("destroy", dist.destroy_process_group))
+    for step, fn in steps:
+        if _bounded(step, fn, deadline_s):
+            return True
+    logger.error("hf_longctx: the process groups could not be shut down; exiting without it")
+    return False

@@ -55,7 +55,7 @@ def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:
     steps = [
         ("offload_activations", lambda: enable_offload_activations(model)),
         ("tiled_mlp", lambda: enable_tiled_mlp(model, config.tiled_mlp)),
-        ("tiled_loss", lambda: enable_tiled_loss(model)),
+        ("tiled_loss", lambda: enable_tiled_loss(model, config.tiled_loss)),
     ]
     try:
         for name, enable in steps:

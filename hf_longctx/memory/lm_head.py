@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_longctx import _compat
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.memory.tiling import TILE_LOGITS, tile_tokens  # noqa: F401 (TILE_LOGITS: re-exported)
 
@@ -81,14 +82,36 @@ def gathered(*params: torch.Tensor | None) -> Iterator[None]:
         yield
 
 
+def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype `F.linear` runs in for `t`: autocast's when it is on for `t`'s device, else `t`'s own."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """`acc += a @ b`: the product of `a` and `b` in their own (matmul) dtype, summed in `acc`'s float32.
+
+    On CUDA a bfloat16 / float16 product accumulates straight into float32 (`out_dtype`); elsewhere the
+    operands, already rounded to the matmul dtype, are multiplied in float32, which gives the same products.
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and _compat.has_matmul_out_dtype():
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
 def _add_head_grads(grad_z, dz_draw, h, weight, grad_h, grad_w, grad_b) -> None:
     """Chain a tile's logit gradient `grad_z` (in place) through the logit transform and the LM head into
-    `grad_h` (this tile's rows), `grad_w` and `grad_b` (each None when not wanted)."""
+    `grad_h` (this tile's rows), `grad_w` and `grad_b` (each None when not wanted). The two matmuls run in
+    the dtype the logits' matmul ran in (the autocast dtype under autocast), as the untiled backward's do."""
     grad_raw = grad_z if isinstance(dz_draw, float) and dz_draw == 1.0 else grad_z.mul_(dz_draw)
+    mm = _matmul_dtype(h)
     if grad_h is not None:
-        grad_h += grad_raw.to(h.dtype) @ weight.to(h.dtype)
+        grad_h += grad_raw.to(mm) @ weight.to(mm)
     if grad_w is not None:
-        grad_w.addmm_(grad_raw.t(), h.float())
+        _add_matmul(grad_w, grad_raw.t().to(mm), h.to(mm))
     if grad_b is not None:
         grad_b += grad_raw.sum(0)
 
@@ -267,6 +290,10 @@ class _LinearTokenStats(torch.autograd.Function):
             _stats_tile(hidden[part], target[part], weight, bias, transform, *rows)
         ctx.save_for_backward(hidden, weight, bias, labels, log_z, entropy)
         ctx.transform, ctx.tile = transform, tile
+        # Backward recomputes the logits: under forward's autocast (autograd does not carry it into backward,
+        # and torch.amp.custom_bwd is tied to one device type), so they equal the ones `log_z` came from.
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         valid = labels != IGNORE_INDEX
         outs = [
             log_probs.masked_fill_(~valid, 0.0),
@@ -289,7 +316,8 @@ class _LinearTokenStats(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         valid = labels != IGNORE_INDEX
         target = labels.clamp(min=0)
-        with gathered(weight, bias):
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled), gathered(weight, bias):
             for part in _tiles(hidden.shape[0], ctx.tile):
                 g_lp = torch.where(valid[part], grad_lp[part].float(), 0.0) if grad_lp is not None else None
                 g_ent = torch.where(valid[part], grad_ent[part].float(), 0.0) if grad_ent is not None else None

@@ -90,6 +90,7 @@ class TiledLossHandle:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.transform = logit_transform(model.config)
+        self.liger: Callable[..., Any] | None = None  # Liger's fused linear cross-entropy (tiled_loss="liger")
         self._armed: dict[str, Any] | None = None  # the running forward's request, see `_run`
         self._undo: list[Callable[[], None]] = []
 
@@ -186,7 +187,7 @@ class TiledLossHandle:
             states, targets = _flat_targets(hidden, labels, shift_labels)
             weight, bias = _full(weight), _full(bias)
             with gathered(weight, bias):
-                total = _fused_linear_cross_entropy(states, weight, bias, targets, self.transform)
+                total = _fused_linear_cross_entropy(states, weight, bias, targets, self.transform, self.liger)
             return _normalise(total, targets, num_items)
 
         out, loss = self._run(inner, compute, args, kwargs)
@@ -256,10 +257,14 @@ def _full(param: torch.Tensor | None) -> torch.Tensor | None:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-def _fused_linear_cross_entropy(states, weight, bias, targets, transform: LogitTransform) -> torch.Tensor:
-    """Summed token cross-entropy: Liger's fused kernel on CUDA when installed, else `linear_cross_entropy_sum`."""
-    liger = _compat.liger_fused_linear_cross_entropy() if states.is_cuda else None
-    if liger is not None and transform.scale == 1.0 and transform.temperature == 1.0:
+def _fused_linear_cross_entropy(states, weight, bias, targets, transform: LogitTransform, liger) -> torch.Tensor:
+    """Summed token cross-entropy: `linear_cross_entropy_sum`, or Liger's fused kernel when it was asked for."""
+    if liger is not None:
+        if not states.is_cuda:
+            raise ValueError(
+                f"tiled_loss='liger' runs Liger's Triton kernel, which needs CUDA tensors; got {states.device}. "
+                "Set tiled_loss=True (hf_longctx's tiles) on this device."
+            )
         out = liger(
             states, weight, targets, bias, ignore_index=IGNORE_INDEX, reduction="sum", softcap=transform.softcap
         )
@@ -267,12 +272,15 @@ def _fused_linear_cross_entropy(states, weight, bias, targets, transform: LogitT
     return linear_cross_entropy_sum(states, weight, bias, targets, transform)
 
 
-def enable_tiled_loss(model: torch.nn.Module) -> TiledLossHandle:
+def enable_tiled_loss(model: torch.nn.Module, kernel: bool | str = True) -> TiledLossHandle:
     """Make `model`'s training forward compute its loss in tiles (see the module docstring).
 
     Args:
         model: a transformers causal LM (a linear output embedding and a decoder backbone) whose
             forward accepts `logits_to_keep`.
+        kernel: True for hf_longctx's tiles (`linear_cross_entropy_sum`, any device), "liger" for Liger's
+            fused linear cross-entropy (CUDA, liger-kernel installed) in the Trainer loss; never chosen
+            silently. TRL's fused head always uses hf_longctx's tiles or TRL's own kernel.
 
     Returns:
         A handle; `handle.remove()` restores the forward (an instance-level forward set by TRL
@@ -292,6 +300,10 @@ def enable_tiled_loss(model: torch.nn.Module) -> TiledLossHandle:
     if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
         raise ValueError(f"tiled_loss: {type(model).__name__}.forward has no logits_to_keep; set tiled_loss=False.")
     handle = TiledLossHandle(model)
+    if kernel == "liger":
+        handle.liger = _liger(model, handle.transform)
+    elif kernel is not True:
+        raise ValueError(f"tiled_loss must be True, False or 'liger', got {kernel!r}.")
     inner = model.forward
     own = model.__dict__.get("forward")
     try:
@@ -310,10 +322,23 @@ def enable_tiled_loss(model: torch.nn.Module) -> TiledLossHandle:
     except Exception:
         handle.remove()
         raise
-    logger.info(
-        "hf_longctx: tiled_loss on %s (%d tokens per tile)", type(model).__name__, tile_tokens(head.out_features)
-    )
+    ours = f"hf_longctx tiles of {tile_tokens(head.out_features)} tokens"
+    chosen = "Liger's fused linear cross-entropy" if handle.liger is not None else ours
+    logger.info("hf_longctx: tiled_loss on %s: %s", type(model).__name__, chosen)
     return handle
+
+
+def _liger(model: torch.nn.Module, transform: LogitTransform) -> Callable[..., Any]:
+    """Liger's fused linear cross-entropy for `tiled_loss="liger"`, or a ValueError naming the fix."""
+    fn = _compat.liger_fused_linear_cross_entropy()
+    if fn is None:
+        raise ValueError("tiled_loss='liger' needs liger-kernel: `pip install liger-kernel`, or set tiled_loss=True.")
+    if transform.scale != 1.0 or transform.temperature != 1.0:
+        raise ValueError(
+            f"tiled_loss='liger': Liger's kernel has no logit scaling, which {type(model).__name__} applies "
+            f"({transform}); set tiled_loss=True."
+        )
+    return fn
 
 
 def _backbone(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -69,14 +69,37 @@ def find_tiled_mlps(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Mo
     return found, skipped
 
 
-def _agree_on_tiles(tiles: int, module: torch.nn.Module) -> int:
-    """Under DeepSpeed ZeRO-3 every tile's call gathers the MLP's weights: all ranks must make the
-    same number of calls even when their sequences differ, so they take the largest count."""
-    zero3 = any(getattr(p, "ds_status", None) is not None for p in module.parameters())
-    if not (zero3 and dist.is_available() and dist.is_initialized()):
-        return tiles
-    # The default group: DeepSpeed gathers ZeRO-3 weights over every rank, not only the SP group.
-    return int(all_reduce_max(torch.tensor([tiles], dtype=torch.int64), dist.group.WORLD).item())
+def _zero3(module: torch.nn.Module) -> bool:
+    """True when `module` holds DeepSpeed ZeRO-3 partitioned parameters inside a process group."""
+    partitioned = any(getattr(p, "ds_status", None) is not None for p in module.parameters())
+    return partitioned and dist.is_available() and dist.is_initialized()
+
+
+class _AgreedTiles:
+    """Tile counts every rank agrees on, one all-reduce per model forward (not one per MLP call).
+
+    Under DeepSpeed ZeRO-3 every tile's call gathers the MLP's weights: all ranks must make the same
+    number of calls even when their sequences differ, so they take the largest count. The first MLP
+    call of a forward with a given hidden size agrees on it; later calls in that forward, and the
+    checkpoint recompute of a grad forward in backward, reuse that value, so the collective runs at
+    the same point on every rank and never in backward. A model forward pre-hook starts a new forward;
+    grad and no-grad forwards keep separate values, so an evaluation forward between a training
+    forward and its backward does not change the tiles the recompute uses.
+    """
+
+    def __init__(self) -> None:
+        self._by_mode: dict[bool, dict[int, int]] = {}
+
+    def new_forward(self, *_: Any) -> None:
+        self._by_mode[torch.is_grad_enabled()] = {}
+
+    def get(self, tiles: int, hidden_size: int) -> int:
+        agreed = self._by_mode.setdefault(torch.is_grad_enabled(), {})
+        if hidden_size not in agreed:
+            # The default group: DeepSpeed gathers ZeRO-3 weights over every rank, not only the SP group.
+            count = all_reduce_max(torch.tensor([tiles], dtype=torch.int64), dist.group.WORLD)
+            agreed[hidden_size] = int(count.item())
+        return agreed[hidden_size]
 
 
 def tiled_call(forward: Callable[..., Any], x: torch.Tensor, tiles: int, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -127,7 +150,8 @@ def enable_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> TiledM
 
     Args:
         model: a transformers model whose decoder layers are `GradientCheckpointingLayer`s.
-        tiles: True for `auto_tiles(tokens, hidden)` per call, or a fixed tile count >= 1.
+        tiles: True for `auto_tiles(tokens, hidden)` per call (agreed once per forward under ZeRO-3, see
+            `_AgreedTiles`), or a fixed tile count >= 1.
 
     Returns:
         A handle listing the tiled modules (`.modules`) and skipped block classes (`.skipped`).
@@ -139,14 +163,16 @@ def enable_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> TiledM
         raise ValueError(f"tiled_mlp must be True or a tile count >= 1, got {tiles!r}.")
     found, skipped = find_tiled_mlps(model)
     handle = TiledMLPHandle(model, [name for name, _ in found], sorted(set(skipped)))
+    agreed = _AgreedTiles()
+    handle._undo.append(model.register_forward_pre_hook(agreed.new_forward).remove)
     for _, module in found:
         original = module.forward
         own = module.__dict__.get("forward")
 
         def forward(x: torch.Tensor, *args: Any, _original=original, _module=module, **kwargs: Any) -> torch.Tensor:
-            tokens = x.shape[:-1].numel()
-            n = auto_tiles(tokens, x.shape[-1]) if tiles is True else tiles
-            n = _agree_on_tiles(n, _module) if tiles is True else n
+            n = auto_tiles(x.shape[:-1].numel(), x.shape[-1]) if tiles is True else tiles
+            if tiles is True and _zero3(_module):
+                n = agreed.get(n, x.shape[-1])
             if n <= 1 or x.dim() < 2:
                 return _original(x, *args, **kwargs)
             return tiled_call(_original, x, n, *args, **kwargs)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_longctx.distributed.failures import shutdown_process_groups
 from hf_longctx.distributed.groups import SequenceParallelGroups, validate_sp_size
 from hf_longctx.integrations.trainer.dataloader import prepare_data_loader
 from hf_longctx.integrations.trainer.metrics import gather_for_metrics
@@ -114,7 +115,7 @@ def _destroy_default_group_at_exit() -> None:
             # runLoop -> ~AsyncAllgatherWork -> take_gil during Py_FinalizeEx; 4 of 15 runs). Sleeping
             # releases the GIL so such a thread finishes first.
             time.sleep(EXIT_DRAIN_S)
-            dist.destroy_process_group()
+            shutdown_process_groups()  # bounded: after a failure an NCCL destroy waits for the dead peer
 
     atexit.register(shutdown)
 
