@@ -4,7 +4,7 @@
     python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look
     python -m benchmarks.drift --from-json benchmarks/results/<date>-drift.json   # re-render table and plot
 
-One `torchrun --standalone --nproc_per_node SP -m benchmarks.drift --worker DIR` job trains the default tiny
+One `benchmarks._harness` job of SP ranks (`benchmarks.drift.worker`) trains the default tiny
 Llama (2 layers, GPT-2 vocabulary) with the stock Trainer and Ulysses SP on short Shakespeare windows (256
 tokens, batch 1, AdamW; 100 windows, so 300 steps cross two epoch boundaries), logging every step;
 `DriftProbe` records on every rank, at the end of every optimizer step, the resident set size
@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -224,14 +223,13 @@ def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> Non
     plt.close(fig)
 
 
-def worker(out_dir: str, steps: int, seq_len: int, sp: int) -> None:
+def worker(rank: int, world: int, out_dir: str, steps: int, seq_len: int, sp: int) -> list[dict[str, float]]:
+    """This rank's samples (run in every rank of a `benchmarks._harness` job)."""
     import torch
 
     torch.set_num_threads(1)
     model, data = default_model_and_data(seq_len)
-    samples = train(out_dir, model, data, steps=steps, sp=sp)
-    rank = int(os.environ.get("RANK", "0"))
-    Path(out_dir, f"samples-rank{rank}.json").write_text(json.dumps(samples))
+    return train(out_dir, model, data, steps=steps, sp=sp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,29 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sp", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--from-json", type=Path, help="re-render the table and plot from a saved run")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.steps, args.seq_len, args.sp)
-        return 0
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         return write_results(saved["samples"], saved["meta"], args.warmup, args.from_json.parent)
 
+    from benchmarks import _harness
+
     date = datetime.date.today().isoformat()
-    job_dir = args.out / f"{date}-drift-job"
-    job_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.sp)]
-    cmd += ["-m", "benchmarks.drift", "--worker", str(job_dir), "--steps", str(args.steps)]
-    cmd += ["--seq-len", str(args.seq_len), "--sp", str(args.sp)]
-    start = time.monotonic()
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=max(1800, 10 * args.steps))
-    wall = time.monotonic() - start
-    per_rank = [json.loads((job_dir / f"samples-rank{r}.json").read_text()) for r in range(args.sp)]
-    for path in job_dir.iterdir():
-        path.unlink()
-    job_dir.rmdir()
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    with tempfile.TemporaryDirectory(prefix="bench-drift-") as tmp:
+        options = {"out_dir": tmp, "steps": args.steps, "seq_len": args.seq_len, "sp": args.sp}
+        record = _harness.job("benchmarks.drift:worker", args.sp, max(1800, 10 * args.steps), Path(tmp), "drift",
+                              env=env, **options)  # fmt: skip
+    if record["status"] != "ok":
+        raise SystemExit(f"drift job {record['status']}: {record['error']}")
+    per_rank, wall = record["result"]["ranks"], record["wall_s"]
     command = "python -m benchmarks.drift" + ("" if args.steps == 300 else f" --steps {args.steps}")
     meta = {"date": date, "sp": args.sp, "seq_len": args.seq_len, "layers": 2, "wall_s": wall, "command": command}
     return write_results(per_rank, meta, args.warmup, args.out)

@@ -35,7 +35,7 @@ def run_numbers(record: dict[str, Any]) -> dict[str, Any] | None:
         "cpu_s": statistics.median(cpu) if cpu and all(cpu) else None,
         "peak_gib": max(r["process_peak_bytes"] for r in ranks) / GiB,
         "first_loss": ranks[0]["first_loss"],
-        "reference_loss": record["result"].get("document_reference_loss"),
+        "reference_loss": record["result"].get("document_reference_loss", ranks[0].get("document_reference_loss")),
     }
 
 
