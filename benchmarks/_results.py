@@ -56,9 +56,12 @@ def _pyplot():
     return plt
 
 
-def line_plots(path: str, panels: Sequence[dict[str, Any]], cols: int | None = None, size=(6.5, 4.5)) -> str:
+def line_plots(
+    path: str, panels: Sequence[dict[str, Any]], cols: int | None = None, size=(6.5, 4.5), vline: float | None = None
+) -> str:
     """One figure of line panels; a panel is `{"title", "xlabel", "ylabel", "lines": [{"x", "y", "label",
-    **matplotlib style}], "logx": base or None, "logy": bool, "hlines": [{"y", **style}], "ylim": (lo, hi)}`."""
+    **matplotlib style}], "logx": base or None, "logy": bool, "hlines": [{"y", **style}], "ylim": (lo, hi)}`;
+    `vline` marks one x in every panel (e.g. the end of a warm-up)."""
     plt = _pyplot()
     cols = cols or len(panels)
     rows = -(-len(panels) // cols)
@@ -69,6 +72,8 @@ def line_plots(path: str, panels: Sequence[dict[str, Any]], cols: int | None = N
             ax.plot(line["x"], line["y"], **({"marker": "o"} | style))
         for h in panel.get("hlines", ()):
             ax.axhline(h["y"], **{k: v for k, v in h.items() if k != "y"})
+        if vline is not None:
+            ax.axvline(vline, color="grey", linestyle=":")
         if panel.get("logx"):
             ax.set_xscale("log", base=panel["logx"])
         if panel.get("logy"):

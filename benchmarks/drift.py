@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _results
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 RSS_GROWTH_LIMIT = 0.01
@@ -195,32 +197,22 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    rss_lines, time_lines, count_lines = [], [], []
     for rank, samples in enumerate(per_rank):
-        steps = [s["step"] for s in samples]
-        rss = [s["rss_mib"] for s in samples]
-        line = axes[0].plot(steps, rss, linewidth=0.5, alpha=0.4)[0]
+        steps, rss = [s["step"] for s in samples], [s["rss_mib"] for s in samples]
         rolling = [statistics.median(rss[max(i - 10, 0) : i + 1]) for i in range(len(rss))]
-        axes[0].plot(steps, rolling, color=line.get_color(), linewidth=2, label=f"rank {rank} (median of 11)")
-        axes[1].plot(steps, [s["step_s"] for s in samples], label=f"rank {rank}", linewidth=0.7)
-        axes[2].plot(steps, [s["threads"] for s in samples], label=f"rank {rank} OS threads")
-        axes[2].plot(steps, [s["groups"] for s in samples], "--", label=f"rank {rank} process groups")
-    axes[0].set_ylabel("resident MiB")
-    axes[1].set_ylabel("step time (s)")
-    axes[2].set_ylabel("count")
-    axes[2].set_ylim(bottom=0)
-    axes[2].set_xlabel("optimizer step")
-    for ax in axes:
-        ax.axvline(warmup, color="grey", linestyle=":")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        rss_lines += [
+            {"x": steps, "y": rss, "label": f"rank {rank}", "linewidth": 0.5, "alpha": 0.4, "marker": ""},
+            {"x": steps, "y": rolling, "label": f"rank {rank} (median of 11)", "linewidth": 2, "marker": ""},
+        ]
+        time_lines.append({"x": steps, "y": [s["step_s"] for s in samples], "label": f"rank {rank}", "marker": ""})
+        count_lines += [{"x": steps, "y": [s[k] for s in samples], "label": f"rank {rank} {name}", "marker": "",
+                         "linestyle": style} for k, name, style in (("threads", "OS threads", "-"),
+                                                                    ("groups", "process groups", "--"))]  # fmt: skip
+    labels = (("resident MiB", rss_lines), ("step time (s)", time_lines), ("count", count_lines))
+    panels = [{"title": "", "ylabel": label, "lines": lines, "xlabel": "optimizer step"} for label, lines in labels]
+    panels[2]["ylim"] = (0, None)
+    _results.line_plots(str(path), panels, cols=1, size=(8, 2.7), vline=warmup)
 
 
 def worker(rank: int, world: int, out_dir: str, steps: int, seq_len: int, sp: int) -> list[dict[str, float]]:
