@@ -91,7 +91,9 @@ def _errors(cases: list[dict[str, object]]) -> dict[str, object] | None:
     """The bad-input tests as one case: the error each scenario raised (one message on every rank)."""
     if not cases:
         return None
-    found = [f"{name}: `{' / '.join(msgs)}`" for c in cases for name, msgs in c.get("errors", {}).items()]
+    found = [
+        f"{name}: `{' / '.join(m[:50] for m in msgs)}...`" for c in cases for name, msgs in c.get("errors", {}).items()
+    ]
     return {"failed": any(c["failed"] for c in cases), **({"outcome": found} if found else {})}
 
 
