@@ -11,6 +11,7 @@ import statistics
 from typing import Any
 
 from benchmarks import _results
+from benchmarks._harness import median, ratio
 
 GiB = 2**30
 TARGETS = {
@@ -41,15 +42,6 @@ def run_numbers(record: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
     """Cells of sections 1 and 2 (median over repeats), the section-3 ladder and every target ratio."""
     cells: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -72,7 +64,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         elif numbers is not None:
             cells.setdefault((job["section"], job["trainer"], job["variant"]), []).append(numbers)
     table = {
-        key: {k: _median([r[k] for r in runs]) for k in ("step_s", "cpu_s", "peak_gib", "first_loss", "reference_loss")}
+        key: {k: median([r[k] for r in runs]) for k in ("step_s", "cpu_s", "peak_gib", "first_loss", "reference_loss")}
         | {"runs": len(runs)}
         for key, runs in cells.items()
     }
@@ -82,24 +74,24 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
 
     ratios = {}
     for trainer in ("trainer", "sft"):
-        ratios[f"{trainer}_peak_flags_over_upstream"] = _ratio(
+        ratios[f"{trainer}_peak_flags_over_upstream"] = ratio(
             get("flags", trainer, "flags", "peak_gib"), get("flags", trainer, "upstream", "peak_gib")
         )
         for key, name in (("step_s", "time"), ("cpu_s", "cpu_time")):
             for base in ("off", "ckpt"):
-                ratios[f"{trainer}_{name}_flags_over_{base}"] = _ratio(
+                ratios[f"{trainer}_{name}_flags_over_{base}"] = ratio(
                     get("flags", trainer, "flags", key), get("flags", trainer, base, key)
                 )
     for variant, tag in (("off", "packed"), ("loss", "packed_tiled_loss"), ("flags", "packed_flags")):
         for key, name in (("step_s", "time"), ("cpu_s", "cpu_time"), ("peak_gib", "peak")):
-            ratios[f"{tag}_{name}_over_upstream"] = _ratio(
+            ratios[f"{tag}_{name}_over_upstream"] = ratio(
                 get("packed", "trainer", variant, key), get("packed", "trainer", "upstream", key)
             )
     longest = {
         v: max([r["seq_len"] for r in ladder if r["variant"] == v and r["fits"]], default=None)
         for v in ("upstream", "flags")
     }
-    ratios["longest_ours_over_upstream"] = _ratio(longest["flags"], longest["upstream"])
+    ratios["longest_ours_over_upstream"] = ratio(longest["flags"], longest["upstream"])
     return {"cells": table, "ladder": ladder, "longest": longest, "ratios": ratios, "failures": failures}
 
 

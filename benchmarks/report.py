@@ -18,11 +18,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from benchmarks import _results
+from benchmarks._harness import median, ratio
+from benchmarks._results import Column, MiB
+from benchmarks._results import fmt as _fmt
+from benchmarks._results import seq as _seq
+from benchmarks._results import table as _table
 from hf_longctx.instrument import ulysses_min_bytes
 
 IMPLS = ("hf_longctx", "upstream")
 BASELINE = "none"  # the SP=1 run
-MiB = 2**20
 ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Run-level metrics: (key, how ranks are combined, unit for the table)
 METRICS = (
@@ -67,17 +71,6 @@ def theory_bytes_per_step(
     activation checkpointing (`recompute`) the forward exchange runs a second time in the backward."""
     passes = 3 if recompute else 2
     return passes * layers * ulysses_min_bytes(heads, kv_heads, head_dim, seq_len, sp, elem_bytes)
-
-
-def median(values: Iterable[float]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
 
 
 def op_category(name: str) -> str | None:
@@ -224,24 +217,8 @@ def baseline_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- rendering ------------------------------------------------------------------------------------
 
 
-def _fmt(x: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
-    return "n/a" if x is None else format(x / scale, spec)
-
-
 def _get(row: dict, impl: str, key: str) -> float | None:
     return (row.get(impl) or {}).get(key)
-
-
-def _seq(s: int) -> str:
-    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
-
-
-Column = tuple[str, Callable[[dict[str, Any]], str]]
-
-
-def _table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[str]:
-    out = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---:|" * len(columns)]
-    return out + ["| " + " | ".join(fn(r) for _, fn in columns) + " |" for r in rows]
 
 
 def _val(impl: str, key: str, spec: str = ".2f", scale: float = 1.0) -> Callable[[dict[str, Any]], str]:
