@@ -16,18 +16,16 @@ all-gather and reduce-scatter traffic. Hybrid needs P >= 4 (Ulysses degree 2 x r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.run import PROFILES, RESULTS, launch, make_spec
+from benchmarks import _harness, _results, report
+from benchmarks._results import MiB, fmt
+from benchmarks.run import PROFILES, RESULTS, failure, launch, make_spec
 from hf_longctx.attention.cost import Bytes, hybrid_bytes, ring_bytes, ulysses_bytes
 
 K = 1024
@@ -102,44 +100,44 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cells.items(), key=lambda kv: (kv[0][0], kv[0][1], list(IMPLS).index(kv[0][2]))
     ):
         med = {
-            k: report.median(g["summary"].get(k) for g in group) for k in ("step_s", "act_bytes", "process_peak_bytes")
+            k: _harness.median(g["summary"].get(k) for g in group)
+            for k in ("step_s", "act_bytes", "process_peak_bytes")
         }
-        sent = report.median(g["bytes"] for g in group)
+        sent = _harness.median(g["bytes"] for g in group)
         want = theory(group[0]["spec"])
         sp1 = base.get(seq, {})
         row = {"sp": sp, "seq_len": seq, "label": label, "repeats": len(group), **med, "bytes": sent, "theory": want}
-        row["bytes_vs_theory"] = report.ratio(sent, want)
-        row["act_vs_sp1"] = report.ratio(med["act_bytes"], sp1.get("act_bytes"))
+        row["bytes_vs_theory"] = _harness.ratio(sent, want)
+        row["act_vs_sp1"] = _harness.ratio(med["act_bytes"], sp1.get("act_bytes"))
         row["sp1_step_s"] = sp1.get("step_s")
         out.append(row)
     for row in out:
         ref = next(
             (r for r in out if (r["sp"], r["seq_len"], r["label"]) == (row["sp"], row["seq_len"], "ulysses")), None
         )
-        row["step_vs_ulysses"] = report.ratio(row["step_s"], ref["step_s"]) if ref else None
+        row["step_vs_ulysses"] = _harness.ratio(row["step_s"], ref["step_s"]) if ref else None
     return out
 
 
+COLUMNS: list[_results.Column] = [
+    ("SP", lambda r: str(r["sp"])),
+    ("S", lambda r: _results.seq(r["seq_len"])),
+    ("backend", lambda r: r["label"]),
+    ("step s", lambda r: fmt(r["step_s"])),
+    ("vs Ulysses", lambda r: fmt(r["step_vs_ulysses"], ".3f")),
+    ("SP=1 step s", lambda r: fmt(r["sp1_step_s"])),
+    ("act MiB/rank", lambda r: fmt(r["act_bytes"], ".0f", MiB)),
+    ("act / SP=1", lambda r: fmt(r["act_vs_sp1"], ".3f")),
+    ("MiB sent/step", lambda r: fmt(r["bytes"], ".2f", MiB)),
+    ("theory MiB", lambda r: fmt(r["theory"], ".2f", MiB)),
+    ("measured / theory", lambda r: fmt(r["bytes_vs_theory"], ".3f")),
+]
+
+
 def markdown(meta: dict[str, Any], table: list[dict[str, Any]]) -> str:
-    fmt = report._fmt
-    lines = [
-        f"# SP backends on the `cpu` profile ({meta['date']})",
-        "",
-        f"Command: `{meta['command']}`; {meta['runs_ok']} runs ok, {meta['runs_failed']} failed, total "
-        f"{meta['total_wall_s']:.0f} s; load average {meta['load_start']} at the start, {meta['load_end']} at the end "
-        f"({meta['cpus']} CPUs). Model: {meta['model']}. Medians of {meta['steps']} measured steps per run.",
-        "",
-        "| SP | S | backend | step s | vs Ulysses | SP=1 step s | act MiB/rank | act / SP=1 | MiB sent/step "
-        "| theory MiB | measured / theory |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in table:
-        lines.append(
-            f"| {r['sp']} | {report._seq(r['seq_len'])} | {r['label']} | {fmt(r['step_s'])} | "
-            f"{fmt(r['step_vs_ulysses'], '.3f')} | {fmt(r['sp1_step_s'])} | {fmt(r['act_bytes'], '.0f', report.MiB)} | "
-            f"{fmt(r['act_vs_sp1'], '.3f')} | {fmt(r['bytes'], '.2f', report.MiB)} | "
-            f"{fmt(r['theory'], '.2f', report.MiB)} | {fmt(r['bytes_vs_theory'], '.3f')} |"
-        )
+    lines = [f"# SP backends on the `cpu` profile ({meta['date']})", "", _results.run_line(meta)]
+    lines += [f"Model: {meta['model']}. Medians of {meta['steps']} measured steps per run.", ""]
+    lines += _results.table(COLUMNS, table)
     if meta["failures"]:
         lines += ["", "Failed runs:", *[f"- {f}" for f in meta["failures"]]]
     return "\n".join(lines) + "\n"
@@ -147,51 +145,29 @@ def markdown(meta: dict[str, Any], table: list[dict[str, Any]]) -> str:
 
 def plot(table: list[dict[str, Any]], prefix: str) -> list[str]:
     """`<prefix>-time.png` and `-memory.png`: one panel per SP size, one line per backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
     sps = sorted({r["sp"] for r in table})
-    for name, key, scale, ylabel in (
-        ("time", "step_s", 1.0, "step time (s)"),
-        ("memory", "act_bytes", report.MiB, "activation MiB per rank"),
-    ):
-        fig, axes = plt.subplots(1, len(sps), figsize=(6 * len(sps), 4), squeeze=False)
-        for ax, sp in zip(axes[0], sps, strict=True):
+    paths = []
+    for name, key, scale, ylabel in (("time", "step_s", 1.0, "step time (s)"),
+                                     ("memory", "act_bytes", MiB, "activation MiB per rank")):  # fmt: skip
+        panels = []
+        for sp in sps:
+            lines = []
             for label in IMPLS:
                 pts = sorted(
-                    (r["seq_len"], r[key] / scale) for r in table if r["sp"] == sp and r["label"] == label and r[key]
+                    (r["seq_len"], r[key] / scale) for r in table if (r["sp"], r["label"]) == (sp, label) and r[key]
                 )
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("sequence length S (tokens)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"SP={sp}")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = f"{prefix}-{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+                    lines.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "label": label})
+            panels.append({"title": f"SP={sp}", "ylabel": ylabel, "lines": lines, "logx": 2})
+        paths.append(_results.line_plots(f"{prefix}-{name}.png", panels, size=(6, 4)))
     return paths
 
 
 def write(prefix: str, meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     table = rows(runs)
-    meta["plots"] = [Path(p).name for p in plot(table, prefix)] if table else []
-    Path(f"{prefix}.json").write_text(json.dumps({"meta": meta, "rows": table, "runs": runs}, indent=1))
-    text = markdown(meta, table) + "".join(f"\n![{p}]({p})\n" for p in meta["plots"])
-    Path(f"{prefix}.md").write_text(text)
-    return text
-
-
-def _failure(record: dict[str, Any]) -> str:
-    spec = record["spec"]
-    return f"{spec['label']} SP={spec['sp']} S={spec['seq_len']}: {record.get('error', '')[:300]}"
+    plots = plot(table, prefix) if table else []
+    meta["plots"] = [Path(p).name for p in plots]
+    return _results.write(prefix, {"meta": meta, "rows": table, "runs": runs}, markdown(meta, table), plots)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,44 +178,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="measured steps per run (after 1 warm-up)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--tag", default=None)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--from-json", type=Path)
     args = parser.parse_args(argv)
     if args.from_json:
         data = json.loads(args.from_json.read_text())
-        print(write(str(args.from_json.with_suffix("")), data["meta"], data["runs"]))
+        write(str(args.from_json.with_suffix("")), data["meta"], data["runs"])
         return 0
     specs = plan(
         [int(x) for x in args.sps.split(",")], [int(x) for x in args.seq_lens.split(",")], args.repeats, args.steps
     )
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-backends-"))
-    load_start, t0, runs = " ".join(f"{x:.1f}" for x in os.getloadavg()), time.perf_counter(), []
-    for i, spec in enumerate(specs):
-        record = launch(spec, args.timeout, log_dir, i)
+    session = _harness.Session("python -m benchmarks.backends", argv, Path(tempfile.mkdtemp(prefix="bench-backends-")))
+    runs = []
+    for spec in specs:
+        record = launch(session, spec, args.timeout)
         if record["status"] == "ok":
             record["bytes"] = measured_bytes(record["result"], spec["label"], spec["warmup"])
-        record.pop("log", None)
         runs.append(record)
-        step = (record.get("summary") or {}).get("step_s")
-        print(f"[{i + 1}/{len(specs)}] SP={spec['sp']} S={spec['seq_len']} {spec['label']}: {record['status']}"
-              + (f", step {step:.2f}s" if step else f" {record.get('error', '')[:300]}"), flush=True)  # fmt: skip
-    ok = [r for r in runs if r["status"] == "ok"]
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python -m benchmarks.backends", *(argv if argv is not None else sys.argv[1:])]),
-        "total_wall_s": time.perf_counter() - t0,
-        "load_start": load_start,
-        "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "cpus": os.cpu_count(),
-        "runs_ok": len(ok),
-        "runs_failed": len(runs) - len(ok),
-        "failures": [_failure(r) for r in runs if r["status"] != "ok"],
-        "steps": args.steps,
-        "model": "tiny Llama, 2 layers, hidden 128, 4 query / 4 kv heads of 32, vocab 2048, fp32, sdpa, ZeRO-1",
-    }  # fmt: skip
-    tag = args.tag or f"{meta['date']}-backends-cpu"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    print(write(str(RESULTS / tag), meta, runs))
-    return 0 if len(ok) == len(runs) else 1
+    meta = session.finish(failure)
+    meta.update(
+        steps=args.steps,
+        model="tiny Llama, 2 layers, hidden 128, 4 query / 4 kv heads of 32, vocab 2048, fp32, sdpa, ZeRO-1",
+    )
+    write(str(args.out_dir / (args.tag or f"{meta['date']}-backends-cpu")), meta, runs)
+    return 0 if meta["runs_failed"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look
     python -m benchmarks.drift --from-json benchmarks/results/<date>-drift.json   # re-render table and plot
 
-One `torchrun --standalone --nproc_per_node SP -m benchmarks.drift --worker DIR` job trains the default tiny
+One `benchmarks._harness` job of SP ranks (`benchmarks.drift.worker`) trains the default tiny
 Llama (2 layers, GPT-2 vocabulary) with the stock Trainer and Ulysses SP on short Shakespeare windows (256
 tokens, batch 1, AdamW; 100 windows, so 300 steps cross two epoch boundaries), logging every step;
 `DriftProbe` records on every rank, at the end of every optimizer step, the resident set size
@@ -23,14 +23,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import _results
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -196,42 +197,31 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    rss_lines, time_lines, count_lines = [], [], []
     for rank, samples in enumerate(per_rank):
-        steps = [s["step"] for s in samples]
-        rss = [s["rss_mib"] for s in samples]
-        line = axes[0].plot(steps, rss, linewidth=0.5, alpha=0.4)[0]
+        steps, rss = [s["step"] for s in samples], [s["rss_mib"] for s in samples]
         rolling = [statistics.median(rss[max(i - 10, 0) : i + 1]) for i in range(len(rss))]
-        axes[0].plot(steps, rolling, color=line.get_color(), linewidth=2, label=f"rank {rank} (median of 11)")
-        axes[1].plot(steps, [s["step_s"] for s in samples], label=f"rank {rank}", linewidth=0.7)
-        axes[2].plot(steps, [s["threads"] for s in samples], label=f"rank {rank} OS threads")
-        axes[2].plot(steps, [s["groups"] for s in samples], "--", label=f"rank {rank} process groups")
-    axes[0].set_ylabel("resident MiB")
-    axes[1].set_ylabel("step time (s)")
-    axes[2].set_ylabel("count")
-    axes[2].set_ylim(bottom=0)
-    axes[2].set_xlabel("optimizer step")
-    for ax in axes:
-        ax.axvline(warmup, color="grey", linestyle=":")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        rss_lines += [
+            {"x": steps, "y": rss, "label": f"rank {rank}", "linewidth": 0.5, "alpha": 0.4, "marker": ""},
+            {"x": steps, "y": rolling, "label": f"rank {rank} (median of 11)", "linewidth": 2, "marker": ""},
+        ]
+        time_lines.append({"x": steps, "y": [s["step_s"] for s in samples], "label": f"rank {rank}", "marker": ""})
+        count_lines += [{"x": steps, "y": [s[k] for s in samples], "label": f"rank {rank} {name}", "marker": "",
+                         "linestyle": style} for k, name, style in (("threads", "OS threads", "-"),
+                                                                    ("groups", "process groups", "--"))]  # fmt: skip
+    labels = (("resident MiB", rss_lines), ("step time (s)", time_lines), ("count", count_lines))
+    panels = [{"title": "", "ylabel": label, "lines": lines, "xlabel": "optimizer step"} for label, lines in labels]
+    panels[2]["ylim"] = (0, None)
+    _results.line_plots(str(path), panels, cols=1, size=(8, 2.7), vline=warmup)
 
 
-def worker(out_dir: str, steps: int, seq_len: int, sp: int) -> None:
+def worker(rank: int, world: int, out_dir: str, steps: int, seq_len: int, sp: int) -> list[dict[str, float]]:
+    """This rank's samples (run in every rank of a `benchmarks._harness` job)."""
     import torch
 
     torch.set_num_threads(1)
     model, data = default_model_and_data(seq_len)
-    samples = train(out_dir, model, data, steps=steps, sp=sp)
-    rank = int(os.environ.get("RANK", "0"))
-    Path(out_dir, f"samples-rank{rank}.json").write_text(json.dumps(samples))
+    return train(out_dir, model, data, steps=steps, sp=sp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,29 +232,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sp", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--from-json", type=Path, help="re-render the table and plot from a saved run")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.steps, args.seq_len, args.sp)
-        return 0
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         return write_results(saved["samples"], saved["meta"], args.warmup, args.from_json.parent)
 
+    from benchmarks import _harness
+
     date = datetime.date.today().isoformat()
-    job_dir = args.out / f"{date}-drift-job"
-    job_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.sp)]
-    cmd += ["-m", "benchmarks.drift", "--worker", str(job_dir), "--steps", str(args.steps)]
-    cmd += ["--seq-len", str(args.seq_len), "--sp", str(args.sp)]
-    start = time.monotonic()
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=max(1800, 10 * args.steps))
-    wall = time.monotonic() - start
-    per_rank = [json.loads((job_dir / f"samples-rank{r}.json").read_text()) for r in range(args.sp)]
-    for path in job_dir.iterdir():
-        path.unlink()
-    job_dir.rmdir()
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    with tempfile.TemporaryDirectory(prefix="bench-drift-") as tmp:
+        options = {"out_dir": tmp, "steps": args.steps, "seq_len": args.seq_len, "sp": args.sp}
+        record = _harness.job("benchmarks.drift:worker", args.sp, max(1800, 10 * args.steps), Path(tmp), "drift",
+                              env=env, **options)  # fmt: skip
+    if record["status"] != "ok":
+        raise SystemExit(f"drift job {record['status']}: {record['error']}")
+    per_rank, wall = record["result"]["ranks"], record["wall_s"]
     command = "python -m benchmarks.drift" + ("" if args.steps == 300 else f" --steps {args.steps}")
     meta = {"date": date, "sp": args.sp, "seq_len": args.seq_len, "layers": 2, "wall_s": wall, "command": command}
     return write_results(per_rank, meta, args.warmup, args.out)

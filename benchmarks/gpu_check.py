@@ -10,9 +10,13 @@ cell passes when its error is within 2x (+1e-6) of the plain bf16 model's own er
 reference, the way the kernels themselves are judged; fp32 cells must be within 1e-4 (loss) and 1e-3
 (gradients). A leak control runs the plain model on the whole packed row with only a causal mask: its
 error must be far larger, or the comparison could not see documents attending to each other.
-SP=2 runs as two processes on the one GPU over gloo (NCCL refuses two ranks on one device); hf_longctx
-moves tensors to the host for gloo collectives (`comm.group_device`). Prints a table; writes
-`benchmarks/results/<date>-gpu-check.{json,md}`.
+SP=2 runs as a two-rank `benchmarks._harness` job on the one GPU over gloo (NCCL refuses two ranks on one
+device); hf_longctx moves tensors to the host for gloo collectives (`comm.group_device`). Prints a table;
+writes `benchmarks/results/<date>-gpu-check.{json,md}`.
+
+The verdict (`verdict`): a SKIP is not a pass. Only a skip marked expected counts as one: flex_attention's
+backward and flash-attn on CPU (`--cpu-dry-run`) and a kernel named with `--expect-skip`. A flash row on
+CUDA refuses to run (ERROR) unless transformers resolves "flash_attention_2" to the flash_attn package.
 """
 
 from __future__ import annotations
@@ -22,27 +26,32 @@ import datetime
 import importlib.util
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks import _results
+from benchmarks._results import RESULTS
+
 DOCS = (37, 50, 41)
 VOCAB = 512
 
 
 def _model(attn: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from tests import _flash_standin as standin
-    from tests._models import tiny_model
+    from benchmarks.worker import build_model
 
-    flash = attn == standin.IMPLEMENTATION
-    model = tiny_model("llama", num_heads=4, num_kv_heads=2, hidden=128, vocab=VOCAB, attn="eager" if flash else attn)
-    if flash:
-        model.config._attn_implementation = standin.IMPLEMENTATION
-    return model.to(device, dtype)
+    shape = {"arch": "llama", "vocab": VOCAB, "hidden": 128, "intermediate": 256, "layers": 2, "heads": 4}
+    return build_model({**shape, "kv_heads": 2, "head_dim": 32}, attn, "fp32", "cpu").to(device, dtype)
+
+
+def flash_kernel_module() -> str:
+    """The module of the kernel transformers runs for "flash_attention_2" (flash_attn..., or a stand-in)."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    return fa._lazy_imports("flash_attention_2")[0].__module__
 
 
 def _batch(device: str) -> dict[str, torch.Tensor]:
@@ -81,26 +90,18 @@ def plain_step(attn: str, dtype: torch.dtype, device: str, per_document: bool) -
     return loss.item(), _grads(model)
 
 
-def _install_standin(label: str) -> str:
-    """The kernel name of a matrix label; a "(stand-in)" label routes flash to the CPU-API stand-in."""
-    if "stand-in" in label:
-        from tests import _flash_standin
-
-        _flash_standin.install()
-    return label.split(" ")[0]
-
-
-def sp_step(rank: int, world_size: int, label: str, dtype_name: str, device: str) -> tuple[float, dict]:
-    """One step through hf_longctx at SP=world_size (run_distributed worker, or in-process for SP=1)."""
+def sp_step(rank: int, world_size: int, attn: str, dtype_name: str, device: str) -> dict[str, float]:
+    """One step through hf_longctx at SP=world_size; its errors against the fp32 per-document reference."""
     import hf_longctx
     from hf_longctx.distributed.comm import all_reduce_sum
 
-    attn = _install_standin(label)
-    groups = (
-        hf_longctx.SequenceParallelGroups.build(world_size)
-        if world_size > 1
-        else hf_longctx.SequenceParallelGroups.single()
-    )
+    if device == "cuda" and attn == "flash_attention_2" and not flash_kernel_module().startswith("flash_attn"):
+        raise RuntimeError(f"flash row refused: flash_attention_2 resolves to {flash_kernel_module()}, not flash_attn")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 cells are compared at fp32 tolerances
+    torch.backends.cudnn.allow_tf32 = False
+    ref = plain_step("eager", torch.float32, device, per_document=True)
+    solo = hf_longctx.SequenceParallelGroups.single()
+    groups = hf_longctx.SequenceParallelGroups.build(world_size) if world_size > 1 else solo
     model = _model(attn, getattr(torch, dtype_name), device)
     with hf_longctx.enable_sequence_parallel(model, groups):
         shard = hf_longctx.shard_batch(_batch(device), groups)
@@ -108,7 +109,10 @@ def sp_step(rank: int, world_size: int, label: str, dtype_name: str, device: str
         loss = _loss(model(**shard).logits.float(), shift_labels, groups)
         loss.backward()
     grads = {n: all_reduce_sum(g, groups.sp_group) / world_size for n, g in _grads(model).items()}
-    return loss.item(), grads
+    loss_err, grad_err = _errors(loss.item(), grads, ref)
+    plain = _errors(*plain_step(attn, getattr(torch, dtype_name), device, per_document=True), ref)
+    return {"loss_rel_err": loss_err, "grad_rel_err": grad_err, "plain_loss_rel_err": plain[0],
+            "plain_grad_rel_err": plain[1]}  # fmt: skip
 
 
 def _errors(loss: float, grads: dict, ref: tuple[float, dict]) -> tuple[float, float]:
@@ -118,62 +122,70 @@ def _errors(loss: float, grads: dict, ref: tuple[float, dict]) -> tuple[float, f
 
 
 def kernels(device: str) -> list[tuple[str, str]]:
-    """(kernel, note) pairs to run: the real flash-attn when installed, else the API stand-in."""
-    flash = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flash_attention_2 (stand-in)"
-    return [("sdpa", ""), ("eager", ""), (flash, ""), ("flex_attention", "forward only" if device == "cpu" else "")]
+    """(kernel, why it is skipped here or ""): on CPU flash-attn and flex_attention's backward cannot run."""
+    cpu = device == "cpu"
+    flash = "flash-attn needs CUDA (its CPU stand-in is a test helper)" if cpu else ""
+    no_flash = "" if cpu or importlib.util.find_spec("flash_attn") else "flash-attn not installed"
+    flex = "flex_attention has no CPU backward" if cpu else ""
+    return [("sdpa", ""), ("eager", ""), ("flash_attention_2", flash or no_flash), ("flex_attention", flex)]
 
 
-def run_cell(attn: str, dtype: torch.dtype, sp: int, device: str, ref: tuple[float, dict]) -> dict[str, Any]:
-    from tests._dist import run_distributed
+def run_cell(attn: str, dtype: torch.dtype, sp: int, device: str, log_dir: Path) -> dict[str, Any]:
+    from benchmarks import _harness
 
-    name = _install_standin(attn)
-    started = time.perf_counter()
+    started, dtype_name = time.perf_counter(), str(dtype).split(".")[-1]
+    row: dict[str, Any] = {"kernel": attn, "dtype": dtype_name, "sp": sp}
     if sp == 1:
-        loss, grads = sp_step(0, 1, attn, str(dtype).split(".")[-1], device)
+        row.update(sp_step(0, 1, attn, dtype_name, device))
     else:
-        loss, grads = run_distributed(sp_step, sp, attn, str(dtype).split(".")[-1], device, timeout=300)[0]
-    loss_err, grad_err = _errors(loss, grads, ref)
-    plain_loss_err, plain_grad_err = _errors(*plain_step(name, dtype, device, per_document=True), ref)
+        name = f"{attn}-{dtype_name}-sp{sp}"
+        kwargs = {"attn": attn, "dtype_name": dtype_name, "device": device, "init_backend": "gloo"}
+        env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}  # one thread per rank: 2 ranks may share a box
+        record = _harness.job("benchmarks.gpu_check:sp_step", sp, 300, log_dir, name, env=env, **kwargs)
+        if record["status"] != "ok":
+            raise RuntimeError(record["error"][-600:])
+        row.update(record["result"]["ranks"][0])
     if dtype == torch.float32:
-        ok = loss_err <= 1e-4 and grad_err <= 1e-3
+        ok = row["loss_rel_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-3
     else:
-        ok = loss_err <= 2 * plain_loss_err + 1e-6 and grad_err <= 2 * plain_grad_err + 1e-6
-    return {
-        "kernel": attn,
-        "dtype": str(dtype).split(".")[-1],
-        "sp": sp,
-        "loss_rel_err": loss_err,
-        "grad_rel_err": grad_err,
-        "plain_loss_rel_err": plain_loss_err,
-        "plain_grad_rel_err": plain_grad_err,
-        "seconds": round(time.perf_counter() - started, 2),
-        "status": "PASS" if ok else "FAIL",
-    }
+        ok = all(row[k] <= 2 * row[f"plain_{k}"] + 1e-6 for k in ("loss_rel_err", "grad_rel_err"))
+    return {**row, "seconds": round(time.perf_counter() - started, 2), "status": "PASS" if ok else "FAIL"}
 
 
-def matrix(device: str) -> list[dict[str, Any]]:
+def matrix(device: str, log_dir: Path, expect_skip: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """Every (kernel, dtype, SP) cell, plus the leak control; a cell that raises is recorded as ERROR."""
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 cells are compared at fp32 tolerances
-    torch.backends.cudnn.allow_tf32 = False
     ref = plain_step("eager", torch.float32, device, per_document=True)
     leak_loss, leak_grad = _errors(*plain_step("eager", torch.float32, device, per_document=False), ref)
     rows = [{"kernel": "leak control (whole row, causal only)", "dtype": "float32", "sp": 1,
              "loss_rel_err": leak_loss, "grad_rel_err": leak_grad,
              "status": "PASS" if leak_grad > 1e-2 else "FAIL"}]  # fmt: skip
-    for attn, note in kernels(device):
+    for attn, skip in kernels(device):
         for dtype in (torch.float32, torch.bfloat16):
-            if attn.startswith("flash_attention_2") and "stand-in" not in attn and dtype == torch.float32:
+            if attn == "flash_attention_2" and dtype == torch.float32:
                 continue  # flash-attn has no fp32 kernel
             for sp in (1, 2):
+                cell = {"kernel": attn, "dtype": str(dtype).split(".")[-1], "sp": sp}
+                if skip:  # expected only where the machine cannot run it by construction, or when asked
+                    expected = device == "cpu" or attn in expect_skip
+                    rows.append({**cell, "status": "SKIP", "error": skip, "expected": expected})
+                    continue
                 try:
-                    if note == "forward only":
-                        raise NotImplementedError("flex_attention has no CPU backward")
-                    rows.append(run_cell(attn, dtype, sp, device, ref))
+                    rows.append(run_cell(attn, dtype, sp, device, log_dir))
                 except Exception as exc:  # noqa: BLE001 - one broken cell must not hide the others
-                    status = "SKIP" if isinstance(exc, NotImplementedError) else "ERROR"
-                    rows.append({"kernel": attn, "dtype": str(dtype).split(".")[-1], "sp": sp, "status": status,
-                                 "error": f"{type(exc).__name__}: {str(exc)[:300]}"})  # fmt: skip
+                    rows.append({**cell, "status": "ERROR", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
     return rows
+
+
+def verdict(rows: list[dict[str, Any]]) -> tuple[bool, str]:
+    """Passed only if every row passed or is an expected skip; the line that says so."""
+    bad = [r for r in rows if r["status"] in ("FAIL", "ERROR") or (r["status"] == "SKIP" and not r.get("expected"))]
+    passed = sum(r["status"] == "PASS" for r in rows)
+    skipped = sum(r["status"] == "SKIP" and bool(r.get("expected")) for r in rows)
+    cells = ", ".join(f"{r['kernel']} {r['dtype']} SP={r['sp']} {r['status']}" for r in bad)
+    line = f"{passed} PASS, {skipped} expected SKIP, {len(bad)} failed of {len(rows)} cells" + (
+        f": {cells}" if bad else ""
+    )
+    return not bad, f"gpu_check: {'PASS' if not bad else 'FAIL'}: {line}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -191,25 +203,27 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="run the matrix on CPU to test this script")
+    parser.add_argument("--expect-skip", default="", help="comma-separated kernels whose SKIP rows are accepted")
+    parser.add_argument("--from-json", type=Path, help="the verdict of a saved results file (no run)")
     parser.add_argument("--out", default=None, help="results prefix (default benchmarks/results/<date>-gpu-check)")
     args = parser.parse_args(argv)
+    if args.from_json:
+        ok, line = verdict(json.loads(args.from_json.read_text())["rows"])
+        print(line)
+        return 0 if ok else 1
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         print("gpu_check: no CUDA device; nothing to run (use --cpu-dry-run to exercise the script on CPU)")
         return 0
     device = "cpu" if args.cpu_dry_run else "cuda"
-    sys.path.insert(0, str(ROOT))
-    rows = matrix(device)
-    text = table(rows)
-    print(text)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     prefix = Path(args.out) if args.out else RESULTS / f"{datetime.date.today()}-gpu-check"
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": name, "torch": torch.__version__, "docs": DOCS}
-    prefix.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    prefix.with_suffix(".md").write_text(f"# GPU check: {name}, torch {torch.__version__}\n\n{text}\n")
-    failed = [r for r in rows if r["status"] in ("FAIL", "ERROR")]
-    print(f"gpu_check: {len(rows) - len(failed)} of {len(rows)} cells PASS/SKIP; results in {prefix}.json")
-    return 1 if failed else 0
+    log_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    rows = matrix(device, log_dir, frozenset(filter(None, args.expect_skip.split(","))))
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    meta = {"device": name, "torch": torch.__version__, "docs": DOCS, "logs": str(log_dir)}
+    ok, line = verdict(rows)
+    md = f"# GPU check: {name}, torch {torch.__version__}\n\n{table(rows)}\n\n{line}\n"
+    _results.write(prefix, {"meta": meta, "rows": rows, "passed": ok}, md)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

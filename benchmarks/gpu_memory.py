@@ -28,8 +28,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -172,32 +170,21 @@ def _has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def child_job(rank: int, world: int, **options: Any) -> dict[str, Any]:
+    """`child` in a `benchmarks._harness` job (one rank)."""
+    return child(argparse.Namespace(**options))
+
+
 def launch(args: argparse.Namespace, seq_len: int, steps: int, out_dir: Path) -> dict[str, Any]:
-    out = out_dir / f"s{seq_len}_n{steps}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
-    cmd += ["-m", "benchmarks.gpu_memory", "--child", "--seq-len", str(seq_len), "--steps", str(steps)]
-    cmd += ["--shape", args.shape, "--optim", args.optim, "--out", str(out)] + (
-        ["--attn", args.attn] if args.attn else []
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    t0 = time.perf_counter()
-    log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = None
-    record: dict[str, Any] = {"seq_len": seq_len, "steps_requested": steps, "wall_s": time.perf_counter() - t0}
-    if rc == 0 and out.exists():
-        record.update(status="ok", **json.loads(out.read_text()))
-    else:
-        tail = log.read_text(errors="replace").splitlines()[-6:]
-        oom = any("out of memory" in line.lower() for line in tail)
-        record.update(status="timeout" if rc is None else ("oom" if oom else "failed"), error=" | ".join(tail))
+    from benchmarks import _harness
+
+    options = {"seq_len": seq_len, "steps": steps, "shape": args.shape, "optim": args.optim, "attn": args.attn}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+    record = _harness.job("benchmarks.gpu_memory:child_job", 1, args.timeout, out_dir, f"s{seq_len}_n{steps}", env=env,
+                          **options)  # fmt: skip
+    record = {"seq_len": seq_len, "steps_requested": steps, **record}
+    if record["status"] == "ok":
+        record.update(record.pop("result")["ranks"][0])
     return record
 
 
@@ -215,15 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attn", default=None, help="default: flash_attention_2 when installed, else sdpa")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per job")
     parser.add_argument("--out-prefix", default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        result = child(args)
-        Path(args.out).write_text(json.dumps(result))
-        return 0
 
     import torch
 

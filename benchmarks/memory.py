@@ -4,7 +4,7 @@
     python -m benchmarks.memory --quick         # smoke: S=2K, one repeat, short ladder (a few minutes)
     python -m benchmarks.memory --from-json benchmarks/results/<date>-memory.json   # re-render only
 
-Every run is one `torchrun --standalone --nproc_per_node 2 -m benchmarks.memory_worker` job (DeepSpeed ZeRO-1,
+Every run is one `benchmarks._harness` job of 2 ranks running `benchmarks.memory_worker.run` (DeepSpeed ZeRO-1,
 gloo, fp32, sdpa, one thread per process), with a timeout; a failed run is recorded and the rest continue.
 Sections (tiny Llama: hidden 256, 2 layers, 8 query / 2 key-value heads of 32, MLP 1024):
 
@@ -30,18 +30,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _harness, _results
 from benchmarks.memory_report import plot, render_markdown, summarize
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = _results.RESULTS
 K = 1024
 MODEL = {"arch": "llama", "hidden": 256, "intermediate": 1024, "layers": 2, "heads": 8, "kv_heads": 2, "head_dim": 32}
 FLAGS = {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True}
@@ -65,52 +62,21 @@ def spec(variant: str, trainer: str, seq_len: int, vocab: int, steps: int, warmu
     return {**base, **extra}
 
 
-def launch(job: dict[str, Any], timeout: float, log_dir: Path, index: int) -> dict[str, Any]:
-    """Run one worker job; returns `{"spec", "status", "wall_s", "result"?, "error"?}`."""
-    out, log = log_dir / f"job{index:03d}.json", log_dir / f"job{index:03d}.log"
-    worker_spec = {k: v for k, v in job.items() if k not in ("variant", "section", "rep")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(job["sp"])]
-    cmd += ["-m", "benchmarks.memory_worker", "--spec", json.dumps(worker_spec), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the OS (see benchmarks/README.md)
-    record: dict[str, Any] = {"spec": job}
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = None
-    record["wall_s"] = time.perf_counter() - t0
-    if rc == 0 and out.exists():
-        record.update(status="ok", result=json.loads(out.read_text()))
-    else:
-        tail = log.read_text(errors="replace").splitlines()[-8:]
-        record.update(status="timeout" if rc is None else "failed", error=" | ".join(s.strip() for s in tail))
-    label = f"{job['section']} {job['variant']} {job['trainer']} S={job['seq_len']}"
-    print(f"[{index:3d}] {label}: {record['status']} ({record['wall_s']:.0f} s)", flush=True)
-    return record
-
-
 def _peak(record: dict[str, Any]) -> float | None:
     if record["status"] != "ok":
         return None
     return max(r["process_peak_bytes"] for r in record["result"]["ranks"]) / 2**30
 
 
-def run_all(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = []
-    index = 0
+def run_all(args: argparse.Namespace, session: _harness.Session) -> list[dict[str, Any]]:
+    env = {"OMP_NUM_THREADS": "1", **_harness.MALLOC_ENV}
 
     def go(job: dict[str, Any]) -> dict[str, Any]:
-        nonlocal index
-        record = launch(job, args.timeout, log_dir, index)
-        index += 1
-        records.append(record)
-        return record
+        label = f"{job['section']} {job['variant']} {job['trainer']} S={job['seq_len']}"
+        worker_spec = {k: v for k, v in job.items() if k not in ("variant", "section", "rep")}
+        return session.run(
+            job, label, "benchmarks.memory_worker:run", job["sp"], args.timeout, env=env, spec=worker_spec
+        )
 
     seq, steps, warmup = args.seq_len, args.steps, 1
     order = ["off", "ckpt", "flags", "upstream"]
@@ -124,7 +90,7 @@ def run_all(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
             extra = {"data": "packed", "doc_len": args.doc_len}
             go(dict(spec(variant, "trainer", seq, K, steps, warmup, **extra), section="packed", rep=rep))
     if "longest" not in args.sections:
-        return records
+        return session.records
     # section 3: one optimizer step per length, no warm-up (a step that fits once fits)
     longest_up = 0
     for length in args.ladder:
@@ -140,7 +106,7 @@ def run_all(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
         if peak is None or peak > args.budget_gib:
             break
         length *= 2
-    return records
+    return session.records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,32 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(Path(args.from_json).read_text())
         prefix = Path(args.out_prefix or str(args.from_json).removesuffix(".json"))
     else:
-        log_dir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
-        print(f"logs in {log_dir}", flush=True)
-        t0 = time.perf_counter()
-        load = os.getloadavg()[0]
-        records = run_all(args, log_dir)
-        data = {
-            "meta": {
-                "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "argv": sys.argv[1:],
-                "args": {k: v for k, v in vars(args).items() if k != "from_json"},
-                "model": MODEL,
-                "flags": FLAGS,
-                "wall_s": time.perf_counter() - t0,
-                "load_average_start": load,
-                "load_average_end": os.getloadavg()[0],
-                "cpus": os.cpu_count(),
-            },
-            "records": records,
-        }
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{prefix}.json").write_text(json.dumps(data, indent=1))
+        session = _harness.Session("python -m benchmarks.memory", argv, Path(tempfile.mkdtemp(prefix="bench-memory-")))
+        records = run_all(args, session)
+        meta = session.finish(lambda r: f"{r['spec']['section']} {r['spec']['variant']} S={r['spec']['seq_len']}")
+        args_meta = {k: v for k, v in vars(args).items() if k != "from_json"}
+        meta.update(argv=sys.argv[1:] if argv is None else argv, args=args_meta, model=MODEL, flags=FLAGS)
+        load = {f"load_average_{k}": float(meta[f"load_{k}"].split()[0]) for k in ("start", "end")}
+        meta.update(wall_s=meta["total_wall_s"], **load)
+        data = {"meta": meta, "records": records}
     summary = summarize(data)
-    Path(f"{prefix}.md").write_text(render_markdown(data["meta"], summary))
-    plots = plot(summary, str(prefix))
-    print(render_markdown(data["meta"], summary))
-    print("wrote", f"{prefix}.json", f"{prefix}.md", *plots)
+    _results.write(prefix, data, render_markdown(data["meta"], summary), plot(summary, str(prefix)))
     return 0
 
 

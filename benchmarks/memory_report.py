@@ -10,6 +10,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks import _results
+from benchmarks._harness import median, ratio
+
 GiB = 2**30
 TARGETS = {
     "peak_flags_over_upstream": 0.35,  # <=
@@ -35,17 +38,8 @@ def run_numbers(record: dict[str, Any]) -> dict[str, Any] | None:
         "cpu_s": statistics.median(cpu) if cpu and all(cpu) else None,
         "peak_gib": max(r["process_peak_bytes"] for r in ranks) / GiB,
         "first_loss": ranks[0]["first_loss"],
-        "reference_loss": record["result"].get("document_reference_loss"),
+        "reference_loss": record["result"].get("document_reference_loss", ranks[0].get("document_reference_loss")),
     }
-
-
-def _median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +64,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         elif numbers is not None:
             cells.setdefault((job["section"], job["trainer"], job["variant"]), []).append(numbers)
     table = {
-        key: {k: _median([r[k] for r in runs]) for k in ("step_s", "cpu_s", "peak_gib", "first_loss", "reference_loss")}
+        key: {k: median([r[k] for r in runs]) for k in ("step_s", "cpu_s", "peak_gib", "first_loss", "reference_loss")}
         | {"runs": len(runs)}
         for key, runs in cells.items()
     }
@@ -80,24 +74,24 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
 
     ratios = {}
     for trainer in ("trainer", "sft"):
-        ratios[f"{trainer}_peak_flags_over_upstream"] = _ratio(
+        ratios[f"{trainer}_peak_flags_over_upstream"] = ratio(
             get("flags", trainer, "flags", "peak_gib"), get("flags", trainer, "upstream", "peak_gib")
         )
         for key, name in (("step_s", "time"), ("cpu_s", "cpu_time")):
             for base in ("off", "ckpt"):
-                ratios[f"{trainer}_{name}_flags_over_{base}"] = _ratio(
+                ratios[f"{trainer}_{name}_flags_over_{base}"] = ratio(
                     get("flags", trainer, "flags", key), get("flags", trainer, base, key)
                 )
     for variant, tag in (("off", "packed"), ("loss", "packed_tiled_loss"), ("flags", "packed_flags")):
         for key, name in (("step_s", "time"), ("cpu_s", "cpu_time"), ("peak_gib", "peak")):
-            ratios[f"{tag}_{name}_over_upstream"] = _ratio(
+            ratios[f"{tag}_{name}_over_upstream"] = ratio(
                 get("packed", "trainer", variant, key), get("packed", "trainer", "upstream", key)
             )
     longest = {
         v: max([r["seq_len"] for r in ladder if r["variant"] == v and r["fits"]], default=None)
         for v in ("upstream", "flags")
     }
-    ratios["longest_ours_over_upstream"] = _ratio(longest["flags"], longest["upstream"])
+    ratios["longest_ours_over_upstream"] = ratio(longest["flags"], longest["upstream"])
     return {"cells": table, "ladder": ladder, "longest": longest, "ratios": ratios, "failures": failures}
 
 
@@ -184,58 +178,29 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PALETTE = {"off": "tab:blue", "ckpt": "tab:cyan", "loss": "tab:olive", "flags": "tab:green", "upstream": "tab:red"}
+
+
 def plot(summary: dict[str, Any], prefix: str) -> list[str]:
     """Bar charts of peak and step time per trainer/variant (and packed rows), and the section-3 ladder."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cells, paths = summary["cells"], []
-    groups = [("flags", "trainer"), ("flags", "sft"), ("packed", "trainer")]
     for key, label, name in (("peak_gib", "peak resident GiB per rank", "peak"), ("step_s", "step time (s)", "time")):
-        fig, ax = plt.subplots(figsize=(10, 4))
-        xs, heights, colors, ticks = [], [], [], []
-        palette = {
-            "off": "tab:blue",
-            "ckpt": "tab:cyan",
-            "loss": "tab:olive",
-            "flags": "tab:green",
-            "upstream": "tab:red",
-        }
-        x = 0
-        for section, trainer in groups:
-            for variant in palette:
+        items, gaps = [], set()
+        for section, trainer in (("flags", "trainer"), ("flags", "sft"), ("packed", "trainer")):
+            for variant, color in PALETTE.items():
                 c = cells.get((section, trainer, variant))
                 if c and c[key] is not None:
-                    xs.append(x)
-                    heights.append(c[key])
-                    colors.append(palette[variant])
-                    ticks.append(f"{'packed' if section == 'packed' else trainer}\n{variant}")
-                    x += 1
-            x += 0.5
-        ax.bar(xs, heights, color=colors)
-        ax.set_xticks(xs, ticks, fontsize=7)
-        ax.set_ylabel(label)
-        ax.set_title(f"hf_longctx (off / flags) vs upstream DeepSpeed SP, SP=2: {label}")
-        fig.tight_layout()
-        path = f"{prefix}-{name}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+                    items.append((f"{'packed' if section == 'packed' else trainer}\n{variant}", c[key], color))
+            gaps.add(len(items) - 1)
+        title = f"hf_longctx (off / flags) vs upstream DeepSpeed SP, SP=2: {label}"
+        paths.append(_results.bars(f"{prefix}-{name}.png", title, label, items, gaps))
     if not summary["ladder"]:
         return paths
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for variant, color in (("upstream", "tab:red"), ("flags", "tab:green")):
-        rows = [r for r in summary["ladder"] if r["variant"] == variant and r["peak_gib"] is not None]
-        ax.plot([r["seq_len"] for r in rows], [r["peak_gib"] for r in rows], "o-", color=color, label=variant)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (tokens, SP=2)")
-    ax.set_ylabel("peak resident GiB per rank")
-    ax.legend()
-    ax.set_title("one optimizer step: peak memory vs length")
-    fig.tight_layout()
-    path = f"{prefix}-longest.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return paths + [path]
+    lines = []
+    for variant in ("upstream", "flags"):
+        pts = [r for r in summary["ladder"] if r["variant"] == variant and r["peak_gib"] is not None]
+        lines.append({"x": [r["seq_len"] for r in pts], "y": [r["peak_gib"] for r in pts], "label": variant,
+                      "color": PALETTE[variant]})  # fmt: skip
+    panel = {"title": "one optimizer step: peak memory vs length", "xlabel": "sequence length (tokens, SP=2)",
+             "ylabel": "peak resident GiB per rank", "lines": lines, "logx": 2}  # fmt: skip
+    return paths + [_results.line_plots(f"{prefix}-longest.png", [panel], size=(6, 4))]

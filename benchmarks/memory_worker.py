@@ -1,6 +1,4 @@
-"""One run of the memory benchmark, launched by `benchmarks.memory` as
-
-    torchrun --standalone --nproc_per_node 2 -m benchmarks.memory_worker --spec JSON --out FILE
+"""One run of the memory benchmark: `run(rank, world_size, spec)` in each rank of a `benchmarks._harness` job.
 
 `spec["impl"]` is "hf_longctx" (`hf_longctx.ParallelismConfig(sp_size=P, **spec["flags"])`) or "upstream"
 (accelerate's `ParallelismConfig(sp_size=P, sp_backend="deepspeed")`: DeepSpeed ALST); `spec["trainer"]` is
@@ -17,10 +15,7 @@ run. The first step's loss is kept, and for packed rows rank 0 also computes the
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 import tempfile
 import time
 from typing import Any
@@ -106,12 +101,12 @@ def _recorder(memory: StepMemory):
     return Recorder()
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
+def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """This rank's step records, process peak and first loss (rank 0: also the per-document reference)."""
     import torch
-    import torch.distributed as dist
     from accelerate import PartialState
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(int(spec.get("threads", 1)))
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")
     if spec["impl"] == "hf_longctx":
@@ -153,7 +148,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     packed = spec["data"] == "packed"
     rows = Rows((steps + 1) * world, spec["seq_len"], spec["model"]["vocab"], seed=0, same=packed)
     reference = None
-    if packed and dist.get_rank() == 0:
+    if packed and rank == 0:
         # Every packed row is the same row, so it is the first step's row for both implementations. Computed
         # before training: the upstream path then replaces the process-wide "sdpa" kernel, which would make
         # this plain model sequence-parallel too.
@@ -181,45 +176,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.train()
     train_s = time.perf_counter() - t0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    rank_result = {
-        "rank": dist.get_rank(),
+    return {
+        "rank": rank,
         "steps": recorder.steps,
         "process_peak_bytes": memory.process_peak,
         "first_loss": losses[0] if losses else None,
         "train_s": train_s,
         "threads": torch.get_num_threads(),
+        "document_reference_loss": reference,
     }
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, rank_result)
-    result = {"world_size": world, "ranks": gathered}
-    if reference is not None:
-        result["document_reference_loss"] = reference
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    spec = json.loads(args.spec)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(int(spec.get("threads", 1)))
-    result = run(spec)
-    result["spec"] = spec
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(args.out + ".tmp", args.out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip the interpreter teardown (seconds per process on 2 cores)

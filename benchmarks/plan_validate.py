@@ -35,8 +35,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks import _results
+
+RESULTS = _results.RESULTS
 TOLERANCE = 0.10
 # Three optimizer steps: from the second on AdamW's states exist, and with gradient checkpointing the
 # per-step peak settles only at the third (measured: 287, 356, 386, 387, 391 MiB over five steps).
@@ -44,7 +45,6 @@ STEPS = 3
 # glibc caches freed heap blocks of up to 32 MiB (its dynamic mmap threshold) in the resident set; with
 # the threshold fixed at 64 KiB every tensor above it goes back to the OS when freed, so RSS follows the
 # live tensors, as `torch.cuda.max_memory_allocated` does on GPU (see docs/planner.md).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**16)}
 FLAG_FIELDS = ("tiled_loss", "tiled_mlp", "offload_activations")
 
 # Tiny Llama: 8 query / 2 key-value heads of 32 (GQA, both SP sizes divide the heads), hidden 256,
@@ -223,24 +223,6 @@ def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str)
     return {"peak_bytes": peak - start, "loss": output.training_loss, "method": memory.method, "wrapper": wrapper}
 
 
-def spawn(world: int, worker, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """`run_distributed(worker, world, *args)` with glibc's mmap threshold fixed in the ranks."""
-    sys.path.insert(0, str(ROOT))
-    from tests._dist import run_distributed
-
-    saved = {key: os.environ.get(key) for key in MALLOC_ENV}
-    os.environ.update(MALLOC_ENV)  # read by glibc when the spawned ranks start
-    try:
-        with tempfile.TemporaryDirectory(prefix="hf_longctx_plan_") as out_dir:
-            return run_distributed(worker, world, *args, out_dir, timeout=timeout)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-
-
 def gib_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The peak over ranks and each rank's, in GiB."""
     per_rank = [r["peak_bytes"] / 2**30 for r in ranks]
@@ -254,8 +236,17 @@ def gib_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-    """Run a point in fresh processes (one per rank)."""
-    return gib_over_ranks(spawn(world_of(point), step_worker, point, timeout=timeout))
+    """Run a point in a fresh `benchmarks._harness` job (one gloo rank per process, glibc's threshold fixed)."""
+    from benchmarks import _harness
+
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **_harness.MALLOC_ENV}
+    with tempfile.TemporaryDirectory(prefix="hf_longctx_plan_") as out_dir:
+        kwargs = {"point": point, "out_dir": out_dir, "init_backend": "gloo"}
+        record = _harness.job("benchmarks.plan_validate:step_worker", world_of(point), timeout, Path(out_dir),
+                              point["name"], env=env, **kwargs)  # fmt: skip
+    if record["status"] != "ok":
+        raise RuntimeError(f"{point['name']}: {record['status']} {record['error'][-800:]}")
+    return gib_over_ranks(record["result"]["ranks"])
 
 
 def calibrate(measured_gib: float, point: dict[str, Any]) -> float:
@@ -360,11 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max((abs(r["rel_error"]) for r in measured), default=0.0)
     print(f"worst error over {len(measured)} predicted points: {100 * worst:.1f}% (tolerance {100 * TOLERANCE:.0f}%)")
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"{datetime.date.today().isoformat()}-plan-cpu"
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(to_markdown(report))
-        print(f"wrote {stem}.json and {stem}.md")
+        _results.write(RESULTS / f"{datetime.date.today().isoformat()}-plan-cpu", report, to_markdown(report))
     return 0 if worst <= TOLERANCE else 1
 
 

@@ -17,11 +17,16 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from benchmarks import _results
+from benchmarks._harness import median, ratio
+from benchmarks._results import Column, MiB
+from benchmarks._results import fmt as _fmt
+from benchmarks._results import seq as _seq
+from benchmarks._results import table as _table
 from hf_longctx.instrument import ulysses_min_bytes
 
 IMPLS = ("hf_longctx", "upstream")
 BASELINE = "none"  # the SP=1 run
-MiB = 2**20
 ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Run-level metrics: (key, how ranks are combined, unit for the table)
 METRICS = (
@@ -66,17 +71,6 @@ def theory_bytes_per_step(
     activation checkpointing (`recompute`) the forward exchange runs a second time in the backward."""
     passes = 3 if recompute else 2
     return passes * layers * ulysses_min_bytes(heads, kv_heads, head_dim, seq_len, sp, elem_bytes)
-
-
-def median(values: Iterable[float]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
 
 
 def op_category(name: str) -> str | None:
@@ -223,24 +217,8 @@ def baseline_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- rendering ------------------------------------------------------------------------------------
 
 
-def _fmt(x: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
-    return "n/a" if x is None else format(x / scale, spec)
-
-
 def _get(row: dict, impl: str, key: str) -> float | None:
     return (row.get(impl) or {}).get(key)
-
-
-def _seq(s: int) -> str:
-    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
-
-
-Column = tuple[str, Callable[[dict[str, Any]], str]]
-
-
-def _table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[str]:
-    out = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---:|" * len(columns)]
-    return out + ["| " + " | ".join(fn(r) for _, fn in columns) + " |" for r in rows]
 
 
 def _val(impl: str, key: str, spec: str = ".2f", scale: float = 1.0) -> Callable[[dict[str, Any]], str]:
@@ -429,78 +407,58 @@ def _style(impl: str, sp_index: int) -> dict[str, Any]:
 
 
 def plot(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], prefix: str) -> list[str]:
-    """Write `<prefix>-time.png`, `-memory.png`, `-bytes.png`; returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
+    """Write `<prefix>-time.png`, `-memory.png`, `-bytes.png` (one panel per model); returns the paths."""
     sps = sorted({r["sp"] for r in rows})
     models = sorted({r["model"] for r in rows} | {b["model"] for b in base})
 
-    def series(model: str, sp: int, impl: str, key: str, scale: float = 1.0):
-        pts = [
-            (r["seq_len"], _get(r, impl, key))
-            for r in rows
-            if r["model"] == model and r["sp"] == sp and _get(r, impl, key) is not None
-        ]
-        return [p[0] for p in pts], [p[1] / scale for p in pts]
+    def lines(model: str, value: Callable[[dict[str, Any], str], float | None]) -> list[dict[str, Any]]:
+        out = []
+        for i, sp in enumerate(sps):
+            for impl in IMPLS:
+                pts = [(r["seq_len"], value(r, impl)) for r in rows if (r["model"], r["sp"]) == (model, sp)]
+                pts = [p for p in pts if p[1] is not None]
+                if pts:
+                    out.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "label": f"{impl} SP={sp}",
+                                **_style(impl, i)})  # fmt: skip
+        return out
 
-    def finish(ax, ylabel: str, title: str, log_y: bool = True) -> None:
-        ax.set_xscale("log", base=2)
-        if log_y:
-            ax.set_yscale("log")
-        ax.set_xlabel("sequence length S (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    def titled(title: str, model: str) -> str:
+        return f"{title} ({model})" if len(models) > 1 else title
 
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        path = f"{prefix}-{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-
+    paths = []
     for name, key, scale, ylabel, title in (
         ("time", "step_s", 1.0, "step time (s)", "Step time vs sequence length"),
         ("memory", "act_bytes", MiB, "activation + transient memory per rank (MiB)", "Memory per rank vs S"),
     ):
-        fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
-        for ax, model in zip(axes[0], models, strict=True):
-            for i, sp in enumerate(sps):
-                for impl in IMPLS:
-                    xs, ys = series(model, sp, impl, key, scale)
-                    if xs:
-                        ax.plot(xs, ys, label=f"{impl} SP={sp}", **_style(impl, i))
-            pts = [(b["seq_len"], b[key]) for b in base if b["model"] == model and b.get(key) is not None]
+        panels = []
+        for model in models:
+            found = lines(model, lambda r, impl, key=key, scale=scale: _ratio_or_none(_get(r, impl, key), scale))
+            pts = [(b["seq_len"], b[key] / scale) for b in base if b["model"] == model and b.get(key) is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] / scale for p in pts], ":^", color="black", label="SP=1 (no SP)")
-            finish(ax, ylabel, f"{title} ({model})" if len(models) > 1 else title)
-        save(fig, name)
-
-    fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.5 * len(models)), squeeze=False)
-    for (ax_abs, ax_ratio), model in zip(axes, models, strict=True):
-        for i, sp in enumerate(sps):
-            pts = [r for r in rows if r["model"] == model and r["sp"] == sp]
-            xs = [r["seq_len"] for r in pts]
-            ax_abs.plot(xs, [r["theory_bytes"] / MiB for r in pts], color="gray", lw=4, alpha=0.35,
-                        linestyle=_LINES[i % len(_LINES)], label=f"theory SP={sp}")  # fmt: skip
-            for impl in IMPLS:
-                xs_i, ys = series(model, sp, impl, "a2a_bytes", MiB)
-                if xs_i:
-                    ax_abs.plot(xs_i, ys, label=f"{impl} SP={sp}", **_style(impl, i))
-                ratios = [(r["seq_len"], r["bytes_vs_theory"][impl]) for r in pts if r["bytes_vs_theory"][impl]]
-                if ratios:
-                    ax_ratio.plot([p[0] for p in ratios], [p[1] for p in ratios], label=f"{impl} SP={sp}",
-                                  **_style(impl, i))  # fmt: skip
-        ax_ratio.axhline(1.0, color="gray", lw=1)
-        ax_ratio.axhline(1.05, color="red", lw=1, linestyle=":", label="acceptance bound 1.05")
-        ax_ratio.set_ylim(0.9, max(1.15, *(r["bytes_vs_theory"][i] or 0 for r in rows for i in IMPLS)) + 0.05)
-        suffix = f" ({model})" if len(models) > 1 else ""
-        finish(ax_abs, "all_to_all MiB sent per rank per step", "Collective bytes vs Ulysses minimum" + suffix)
-        finish(ax_ratio, "measured / theory", "Measured bytes / theoretical minimum" + suffix, log_y=False)
-    save(fig, "bytes")
+                found.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "label": "SP=1 (no SP)",
+                              "color": "black", "linestyle": ":", "marker": "^"})  # fmt: skip
+            panels.append({"title": titled(title, model), "ylabel": ylabel, "lines": found, "logx": 2, "logy": True})
+        paths.append(_results.line_plots(f"{prefix}-{name}.png", panels, size=(7, 4.5)))
+    panels = []
+    top = max(1.15, *(r["bytes_vs_theory"][i] or 0 for r in rows for i in IMPLS)) + 0.05
+    for model in models:
+        theory = [{"x": [r["seq_len"] for r in rows if (r["model"], r["sp"]) == (model, sp)],
+                   "y": [r["theory_bytes"] / MiB for r in rows if (r["model"], r["sp"]) == (model, sp)],
+                   "label": f"theory SP={sp}", "color": "gray", "lw": 4, "alpha": 0.35, "marker": "",
+                   "linestyle": _LINES[i % len(_LINES)]} for i, sp in enumerate(sps)]  # fmt: skip
+        sent = lines(model, lambda r, impl: _ratio_or_none(_get(r, impl, "a2a_bytes"), MiB))
+        panels.append({"title": titled("Collective bytes vs Ulysses minimum", model), "logx": 2, "logy": True,
+                       "ylabel": "all_to_all MiB sent per rank per step", "lines": theory + sent})  # fmt: skip
+        bound = [
+            {"y": 1.0, "color": "gray", "lw": 1},
+            {"y": 1.05, "color": "red", "lw": 1, "linestyle": ":", "label": "acceptance bound 1.05"},
+        ]
+        panels.append({"title": titled("Measured bytes / theoretical minimum", model), "ylabel": "measured / theory",
+                       "lines": lines(model, lambda r, impl: r["bytes_vs_theory"][impl] or None), "logx": 2,
+                       "hlines": bound, "ylim": (0.9, top)})  # fmt: skip
+    paths.append(_results.line_plots(f"{prefix}-bytes.png", panels, cols=2))
     return paths
+
+
+def _ratio_or_none(x: float | None, scale: float) -> float | None:
+    return None if x is None else x / scale

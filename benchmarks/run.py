@@ -4,8 +4,8 @@
     python -m benchmarks.run --quick           # smoke grid: SP=2, S=1024, 1 repeat (about a minute)
     python -m benchmarks.run --profile gpu     # NCCL, bf16, flash_attention_2, Qwen3-4B / Llama-8B shapes
 
-Every measured run is one `torchrun --standalone --nproc_per_node P -m benchmarks.worker --spec JSON --out
-FILE` job with a timeout. Per (SP, S) cell the two implementations run `--repeats` times each in alternating
+Every measured run is one `benchmarks._harness` job (torchrun, P ranks, `benchmarks.worker.run`) with a
+timeout. Per (SP, S) cell the two implementations run `--repeats` times each in alternating
 order (A B, B A, A B, ...: linear machine drift cancels); SP=1 baselines (one process, no SP, same model,
 data and engine) give the memory reference. Results: `benchmarks/results/<date>-<profile>.{json,md}` and
 `-time.png`, `-memory.png`, `-bytes.png`.
@@ -16,20 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import shlex
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import _harness, _results, report
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = _results.RESULTS
 
 # Tiny random-init Llama for CPU: 4 query / 4 key-value heads (both divide SP = 2 and 4, so the theory
 # formula applies without KV replication), head_dim 32, 2 layers. Small enough that the whole CPU grid,
@@ -169,57 +163,19 @@ def plan(profile: dict[str, Any]) -> list[dict[str, Any]]:
     return specs
 
 
-def _torchrun() -> list[str]:
-    exe = shutil.which("torchrun")
-    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def launch(spec: dict[str, Any], timeout: float, log_dir: Path, index: int) -> dict[str, Any]:
-    """Run one worker job; returns `{"spec", "status", "wall_s", "result"?, "error"?, "log"}`."""
+def launch(session: _harness.Session, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one worker job and check it: `{"spec", "status", "wall_s", "result"?, "summary"?, "error"?}`."""
     nproc = 1 if spec["impl"] == report.BASELINE else spec["sp"]
-    out = log_dir / f"run{index:03d}.json"
-    log = log_dir / f"run{index:03d}.log"
-    worker_spec = {k: v for k, v in spec.items() if k != "rep"}
-    cmd = _torchrun() + ["--standalone", "--nproc_per_node", str(nproc), "-m", "benchmarks.worker"]
-    cmd += ["--spec", json.dumps(worker_spec), "--out", str(out)]
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    )
-    if spec["device"] == "cpu":
-        env["OMP_NUM_THREADS"] = str(spec["threads"])
-        # A fixed mmap threshold turns off glibc's dynamic one: freed tensors go back to the OS, so the
-        # resident memory at a step's start no longer holds the previous step's freed activations.
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    record: dict[str, Any] = {"spec": spec, "log": str(log), "launched_at": time.time()}
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        # A new session, so a timeout can kill torchrun and every worker it started (its process group).
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = None
-    record["wall_s"] = time.perf_counter() - t0
-    record["ended_at"] = time.time()
-    if rc == 0 and out.exists():
-        record["result"] = json.loads(out.read_text())
-        record["status"] = "ok"
+    env = {"OMP_NUM_THREADS": str(spec["threads"]), **_harness.MALLOC_ENV} if spec["device"] == "cpu" else {}
+    worker_spec = {k: v for k, v in spec.items() if k not in ("rep", "label")}
+    label = f"{spec['model']['name']} {spec.get('label', spec['impl']):>14} SP={spec['sp']} S={spec['seq_len']:>6}"
+    record = session.run(spec, label, "benchmarks.worker:run", nproc, timeout, env=env, spec=worker_spec)
+    if record["status"] == "ok":
         try:
             record["summary"] = report.run_summary(record["result"], spec["warmup"])
             _check_sp_active(spec, record["result"], record["summary"])
         except (KeyError, ValueError) as e:
             record["status"], record["error"] = "failed", f"bad result: {e}"
-    else:
-        record["status"] = "timeout" if rc is None else "failed"
-        tail = log.read_text(errors="replace").splitlines()[-15:]
-        record["error"] = f"rc={rc}: " + " | ".join(line.strip() for line in tail)
     return record
 
 
@@ -234,9 +190,9 @@ def _check_sp_active(spec: dict[str, Any], result: dict[str, Any], summary: dict
         raise ValueError(f"{summary['a2a_calls']} all_to_all calls per step with sp={spec['sp']}")
 
 
-def _failure(record: dict[str, Any]) -> str:
+def failure(record: dict[str, Any]) -> str:
     spec = record["spec"]
-    return f"{spec['impl']} SP={spec['sp']} S={spec['seq_len']}: {record['status']} {record.get('error', '')[:400]}"
+    return f"{spec.get('label', spec['impl'])} SP={spec['sp']} S={spec['seq_len']}"
 
 
 def _describe(model: dict[str, Any]) -> str:
@@ -294,64 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for spec in specs:
             nproc = 1 if spec["impl"] == report.BASELINE else spec["sp"]
-            print(f"torchrun --standalone --nproc_per_node {nproc} -m benchmarks.worker --spec '{json.dumps(spec)}'")
+            print(f"torchrun --standalone --nproc_per_node {nproc} -m benchmarks._harness --call benchmarks.worker:run "
+                  f"--kwargs '{json.dumps({'spec': spec})}' --out FILE")  # fmt: skip
         print(f"{len(specs)} jobs", file=sys.stderr)
         return 0
-    date = datetime.date.today().isoformat()
-    tag = args.tag or f"{date}-{name}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(tempfile.mkdtemp(prefix=f"bench-{tag}-"))
-    cli_args = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python -m benchmarks.run", *map(shlex.quote, cli_args)])
-    print(f"{len(specs)} runs; logs in {log_dir}", flush=True)
-
-    load_start = os.getloadavg()
-    t_start = time.perf_counter()
-    runs = []
-    for i, spec in enumerate(specs):
-        rec = launch(spec, profile["timeout"], log_dir, i)
-        runs.append(rec)
-        summ = rec.get("summary") or {}
-        step, act = summ.get("step_s"), summ.get("act_bytes")
-        print(
-            f"[{i + 1}/{len(specs)} {time.perf_counter() - t_start:6.0f}s] {spec['model']['name']} {spec['impl']:>10} "
-            f"SP={spec['sp']} S={spec['seq_len']:>6}: {rec['status']} in {rec['wall_s']:.0f}s"
-            + (
-                f", step {step:.2f}s, act {act / 2**20:.0f} MiB, a2a {summ['a2a_bytes'] / 2**20:.2f} MiB"
-                if summ
-                else ""
-            )
-            + (f"  {rec.get('error', '')[:300]}" if rec["status"] != "ok" else ""),
-            flush=True,
-        )
-    total = time.perf_counter() - t_start
-
+    tag = args.tag or f"{datetime.date.today().isoformat()}-{name}"
+    session = _harness.Session("python -m benchmarks.run", argv, Path(tempfile.mkdtemp(prefix=f"bench-{tag}-")))
+    runs = [launch(session, spec, profile["timeout"]) for spec in specs]
+    meta = session.finish(failure)
     ok = [r for r in runs if r["status"] == "ok"]
-    versions = ok[0]["result"].get("versions", {}) if ok else {}
-    meta = {
-        "profile": name,
-        "date": date,
-        "command": command,
-        "total_wall_s": total,
-        "load_start": " ".join(f"{x:.1f}" for x in load_start),
-        "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "cpus": os.cpu_count(),
-        "versions": versions,
-        "runs_ok": len(ok),
-        "runs_failed": len(runs) - len(ok),
-        "failures": [_failure(r) for r in runs if r["status"] != "ok"],
-        "warmup": profile["warmup"],
-        "steps": profile["steps"],
-        "repeats": profile["repeats"],
-        "zero_stage": 1,
-        "device": profile["device"],
-        "dtype": profile["dtype"],
-        "attn": profile["attn"],
-        "models": {m: _describe(spec) for m, spec in profile["models"].items()},
-        "cells": profile["cells"],
-    }
-    for r in runs:  # keep the JSON self-contained but drop the bulky log path
-        r.pop("log", None)
+    meta.update(profile=name, versions=ok[0]["result"].get("versions", {}) if ok else {}, zero_stage=1)
+    meta.update({k: profile[k] for k in ("warmup", "steps", "repeats", "device", "dtype", "attn", "cells")})
+    meta["models"] = {m: _describe(spec) for m, spec in profile["models"].items()}
     write_outputs(str(args.out_dir / tag), meta, runs)
     return 0 if ok and len(ok) == len(runs) else 1
 
@@ -360,15 +270,10 @@ def write_outputs(prefix: str, meta: dict[str, Any], runs: list[dict[str, Any]])
     """Aggregate `runs` and write `<prefix>.json`, `<prefix>.md` and the PNGs."""
     rows, base = report.cell_rows(runs), report.baseline_rows(runs)
     meta["headline"] = report.headline(rows)
-    meta["plots"] = [Path(p).name for p in report.plot(rows, base, prefix)] if rows or base else []
-    with open(f"{prefix}.json", "w") as f:
-        json.dump({"meta": meta, "cells": rows, "baselines": base, "runs": runs}, f, indent=1)
-    md = report.render_markdown(meta, rows, base)
-    if meta["plots"]:
-        md += "\n" + "\n".join(f"![{p}]({p})" for p in meta["plots"]) + "\n"
-    Path(f"{prefix}.md").write_text(md)
-    print(md)
-    print(f"wrote {prefix}.json, {prefix}.md and {len(meta['plots'])} plots; total {meta['total_wall_s']:.0f}s")
+    plots = report.plot(rows, base, prefix) if rows or base else []
+    meta["plots"] = [Path(p).name for p in plots]
+    data = {"meta": meta, "cells": rows, "baselines": base, "runs": runs}
+    _results.write(prefix, data, report.render_markdown(meta, rows, base), plots)
 
 
 if __name__ == "__main__":

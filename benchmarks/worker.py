@@ -1,8 +1,5 @@
-"""One measured training run of the benchmark, launched by `benchmarks.run` as
-
-    torchrun --standalone --nproc_per_node P -m benchmarks.worker --spec JSON --out FILE
-
-`spec["impl"]` picks the SP implementation, everything else is shared:
+"""One measured training run of the benchmark: `run(rank, world_size, spec)` in every rank of a
+`benchmarks._harness` job. `spec["impl"]` picks the SP implementation, everything else is shared:
 
 - "hf_longctx": `parallelism_config=hf_longctx.ParallelismConfig(sp_size=P, **spec.get("sp_options", {}))`
                 (Ulysses by default; `benchmarks.backends` passes ring / hybrid options);
@@ -30,18 +27,13 @@ already loaded then):
 - `spec["op_profile"]` (CPU): one extra step after the measured ones runs under `torch.profiler`; its self
   CPU time is split by `report.categorize_ops` into attention kernel, matmul, communication and other. That
   step is not in `steps`, so the profiler's overhead never reaches the medians.
-
-Rank 0 writes one JSON with every rank's per-step records to `--out`.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import os
 import re
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -343,15 +335,20 @@ def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str):
     return model
 
 
-def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
+def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """This rank's per-step records (see the module docstring)."""
     import torch
-    import torch.distributed as dist
+
+    mark("torch_imported")
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    cuda = spec["device"] == "cuda"
+    counter = CommCounter(cuda=cuda)
+    counter.install()  # before accelerate / DeepSpeed / hf_longctx bind any collective
     from accelerate import PartialState
     from transformers import Trainer, TrainingArguments
 
     mark("transformers_imported")
-    cuda = spec["device"] == "cuda"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     impl, sp = spec["impl"], spec["sp"]
     if cuda:
@@ -442,8 +439,8 @@ def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
 
     attn_key = trainer.model.config._attn_implementation if hasattr(trainer.model, "config") else None
     core = ALL_ATTENTION_FUNCTIONS.get(spec["attn"])
-    rank_result = {
-        "rank": dist.get_rank() if dist.is_initialized() else 0,
+    return {
+        "rank": rank,
         "steps": recorder.steps,
         "op_profile": recorder.op_profile,
         "process_peak_bytes": memory.process_peak,
@@ -456,60 +453,3 @@ def run(spec: dict[str, Any], counter: CommCounter) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "timeline": dict(TIMELINE),
     }
-    if dist.is_initialized() and world > 1:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rank_result)
-    else:
-        gathered = [rank_result]
-    return {"world_size": world, "ranks": gathered}
-
-
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "hf_longctx"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "?"
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", required=True, help="JSON run spec (see benchmarks.run.make_spec)")
-    parser.add_argument("--out", required=True, help="result JSON written by rank 0")
-    args = parser.parse_args(argv)
-    spec = json.loads(args.spec)
-
-    import torch
-
-    mark("torch_imported")
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
-    counter = CommCounter(cuda=spec["device"] == "cuda")
-    counter.install()
-    t0 = time.perf_counter()
-    result = run(spec, counter)
-    result.update(spec=spec, versions=_versions(), worker_s=time.perf_counter() - t0)
-    if int(os.environ.get("RANK", "0")) == 0:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.out)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    # Skip the interpreter's teardown (atexit hooks and GC of torch/transformers/DeepSpeed: ~3 s per
-    # process on the 2-core box, x32 jobs); the result file is complete and closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

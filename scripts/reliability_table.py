@@ -1,16 +1,22 @@
 """Run the fault, resume and bad-input tests and print the README's reliability table from what they measured.
 
-    python scripts/reliability_table.py     # ~3-5 min on 2 cores; writes benchmarks/results/<date>-reliability.md
+    python scripts/reliability_table.py   # ~3-5 min on 2 cores: benchmarks/results/<date>-reliability.{json,md}
+    python scripts/reliability_table.py --from-json benchmarks/results/<date>-reliability.json   # re-render
 
-The tests record their timings with pytest's `record_property`; this script runs them with `--junitxml` and
-turns the properties into one row per fault: what was injected, what happened, how long the survivors took to
-exit, and what was lost. It exits non-zero if any of the tests failed.
+The tests record what they measured with pytest's `record_property` (timings, and an `outcome`: exit codes, the
+peer failure each survivor saw, the collective rank 0 named, the worst relative difference after a resume);
+this script runs them with `--junitxml`, keeps every test's properties in the JSON and renders one row per
+fault from them: what was injected, what happened, how long the survivors took to exit, and what was lost. A
+test that failed shows as FAILED, one that recorded nothing as "not measured". It exits non-zero if any of the
+tests failed.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import datetime
+import json
 import subprocess
 import sys
 import tempfile
@@ -50,71 +56,94 @@ def _seconds(values: object) -> str:
     return f"{max(values):.2f} s" if values else "n/a"
 
 
+def outcome(case: dict[str, object] | None, render) -> str:
+    """The outcome cell: `render(what the test recorded)`; FAILED / not run / not measured otherwise."""
+    if case is None:
+        return "not run"
+    if case.get("failed"):
+        return "**FAILED** (see the test log)"
+    observed = case.get("outcome")
+    if observed is None:
+        return "not measured (the test recorded no outcome)"
+    return render(observed)
+
+
+def _killed(o: dict) -> str:
+    codes, seen = ", ".join(map(str, o["exit_codes"])), "; ".join(f"`{m}`" for m in o["peer_failures"])
+    return (f"{o['survivors']} survivor(s) exit with code {codes} on a peer failure ({seen}); "
+            f"rank 0 (same SP group) names {o['rank0_names']}")  # fmt: skip
+
+
+def _resume(diff: object) -> str:
+    return f"steps 3-5 equal the uninterrupted SP=2 run (max relative difference {diff:.1e}), same rows"
+
+
+def _merge(cases: list[dict[str, object] | None], key: str) -> dict[str, object] | None:
+    """One case for several parametrized tests: failed if any failed, the worst `key` as its outcome."""
+    found = [c for c in cases if c is not None]
+    if not found:
+        return None
+    values = [c[key] for c in found if key in c]
+    return {"failed": any(c["failed"] for c in found), **({"outcome": max(values)} if values else {})}
+
+
+def _errors(cases: list[dict[str, object]]) -> dict[str, object] | None:
+    """The bad-input tests as one case: the error each scenario raised (one message on every rank)."""
+    if not cases:
+        return None
+    found = [
+        f"{name}: `{' / '.join(m[:50] for m in msgs)}...`" for c in cases for name, msgs in c.get("errors", {}).items()
+    ]
+    return {"failed": any(c["failed"] for c in cases), **({"outcome": found} if found else {})}
+
+
 def rows(props: dict[str, dict[str, object]]) -> list[tuple[str, str, str, str]]:
     out = []
     for layout, label in LAYOUTS.items():
         for phase, where in PHASES.items():
-            case = props.get(f"test_killed_rank_ends_every_survivor_fast_with_a_peer_failure[{layout}-{phase}]", {})
-            if phase == "optimizer":
-                named = "the traceback names the Trainer's `all_gather`"
-            else:
-                named = "hf_longctx's `CollectiveError` names `all_to_all` over ranks [0, 1]"
-            outcome = f"every survivor raises a peer failure; rank 0 (same SP group): {named}"
+            case = props.get(f"test_killed_rank_ends_every_survivor_fast_with_a_peer_failure[{layout}-{phase}]")
             fault = f"SIGKILL rank 1 in {where} of step 3, {label}"
-            out.append((fault, outcome, _seconds(case.get("seconds_to_exit", [])), LOST))
-    case = props.get("test_torchrun_stops_the_job_and_names_the_dead_rank", {})
-    out.append(
-        (
-            "SIGKILL rank 1 in the forward, SP=2 under `torchrun`",
-            "torchrun's summary names `rank: 1`, `Signal 9 (SIGKILL)`; it stops rank 0; no process left",
-            _seconds(case.get("seconds_to_exit", [])) + " (launcher exit)",
-            SAME_CHECKPOINT,
-        )
-    )
-    case = props.get("test_frozen_rank_ends_its_peer_after_the_timeout", {})
-    out.append(
-        (
-            "SIGSTOP rank 1 in the forward (a hang), SP=2, `ddp_timeout=3`",
-            "rank 0's `all_to_all` raises `CollectiveError` after the group timeout (3 s), naming ranks [0, 1]",
-            _seconds(case.get("seconds_to_error", [])),
-            SAME_CHECKPOINT,
-        )
-    )
+            out.append((fault, outcome(case, _killed), _seconds((case or {}).get("seconds_to_exit", [])), LOST))
+    case = props.get("test_torchrun_stops_the_job_and_names_the_dead_rank")
+    out.append((
+        "SIGKILL rank 1 in the forward, SP=2 under `torchrun`",
+        outcome(case, lambda o: f"torchrun's summary names {', '.join(f'`{n}`' for n in o['summary_names'])}; it "
+                                f"stops rank 0; {o['processes_left']} processes left"),
+        _seconds((case or {}).get("seconds_to_exit", [])) + " (launcher exit)",
+        SAME_CHECKPOINT,
+    ))  # fmt: skip
+    case = props.get("test_frozen_rank_ends_its_peer_after_the_timeout")
+    out.append((
+        "SIGSTOP rank 1 in the forward (a hang), SP=2, `ddp_timeout=3`",
+        outcome(case, lambda o: f"rank 0 raises `CollectiveError` after the {o['timeout']}: `{o['rank0_error']}`"),
+        _seconds((case or {}).get("seconds_to_error", [])),
+        SAME_CHECKPOINT,
+    ))  # fmt: skip
     for engine, name in (("ddp", "DDP"), ("zero3", "ZeRO-3, universal checkpoint")):
-        diffs = [
-            props.get(f"test_checkpoint_from_sp2_resumes_at_another_sp_size[{sp}-{engine}]", {}).get("max_rel_diff")
-            for sp in ("sp4_world4", "sp1_world1")
+        names = [
+            f"test_checkpoint_from_sp2_resumes_at_another_sp_size[{sp}-{engine}]" for sp in ("sp4_world4", "sp1_world1")
         ]
-        worst = max((d for d in diffs if d is not None), default=None)
-        shown = f"{worst:.1e}" if worst is not None else "n/a"
-        out.append(
-            (
-                f"job restarted at another SP size: checkpoint-2 of SP=2 resumed at SP=4 (world 4) and SP=1 ({name})",
-                f"steps 3-5 equal the uninterrupted SP=2 run (max relative difference {shown}), same rows",
-                "-",
-                "the steps since the checkpoint, redone",
-            )
-        )
+        case = _merge([props.get(n) for n in names], "max_rel_diff")
+        fault = f"job restarted at another SP size: checkpoint-2 of SP=2 resumed at SP=4 (world 4) and SP=1 ({name})"
+        out.append((fault, outcome(case, _resume), "-", "the steps since the checkpoint, redone"))
     bad = [v for k, v in props.items() if k.startswith("test_bad_input_raises_on_every_rank")]
-    out.append(
-        (
-            "bad input: token id >= vocab or < 0, position >= the model's limit, mask/ids shape mismatch, "
-            "empty batch / dataset",
-            "`ValueError` naming the culprit on every SP rank, before any attention collective",
-            _seconds([v.get("seconds", 0.0) for v in bad]) + " (to the error, building the Trainer included)",
-            "nothing: no step ran",
-        )
-    )
-    window = ("a gradient-accumulation window without any label", "loss 0, gradients 0, no NaN; training continues")
-    out.append((*window, "-", "nothing"))
-    out.append(
-        (
-            "resume with another DP size (global batch 4 -> 8)",
-            "refused on every rank: `ValueError` naming gradient_accumulation_steps=1 (or per-device batch 1)",
-            "-",
-            "nothing: refused before the first step",
-        )
-    )
+    out.append((
+        "bad input: token id >= vocab or < 0, position >= the model's limit, mask/ids shape mismatch, "
+        "empty batch / dataset",
+        outcome(_errors(bad), lambda o: f"on every SP rank, before any attention collective: {'; '.join(o)}"),
+        _seconds([v.get("seconds", 0.0) for v in bad]) + " (to the error, building the Trainer included)",
+        "nothing: no step ran",
+    ))  # fmt: skip
+    case = props.get("test_window_without_labels_gives_zero_loss_and_gradients")
+    window = lambda o: f"loss {o['loss']}, gradient norm {o['grad_norm']} on all {o['ranks']} ranks; training continues"  # noqa: E731
+    out.append(("a gradient-accumulation window without any label", outcome(case, window), "-", "nothing"))
+    case = props.get("test_resume_that_changes_the_global_batch_is_refused_on_every_rank")
+    out.append((
+        "resume with another DP size (global batch 4 -> 8)",
+        outcome(case, lambda o: f"refused on all {o['ranks_refused']} ranks: `{o['error']}...`"),
+        "-",
+        "nothing: refused before the first step",
+    ))  # fmt: skip
     return out
 
 
@@ -130,13 +159,20 @@ def markdown(table: list[tuple[str, str, str, str]], failed: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        code, props = run_tests(Path(tmp) / "junit.xml")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from-json", type=Path, help="re-render the table from a saved <date>-reliability.json")
+    args = parser.parse_args(argv)
+    stem = ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-reliability"
+    if args.from_json:
+        code, props, stem = 0, json.loads(args.from_json.read_text())["tests"], args.from_json.with_suffix("")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            code, props = run_tests(Path(tmp) / "junit.xml")
+        stem.with_suffix(".json").write_text(json.dumps({"exit_code": code, "tests": props}, indent=1) + "\n")
     failed = [name for name, entry in props.items() if entry["failed"]]
     text = markdown(rows(props), failed)
-    out = ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-reliability.md"
-    out.write_text(text)
+    stem.with_suffix(".md").write_text(text)
     print(text)
     return code
 

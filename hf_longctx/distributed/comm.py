@@ -183,3 +183,45 @@ def barrier(group: dist.ProcessGroup | None) -> None:
     if not _solo(group):
         with collective_failure("barrier", group):
             dist.barrier(group=group)
+
+
+# ---- ring attention's transport (hf_longctx.distributed.ring_comm counts and names these calls) ----
+
+
+def ring_isend_irecv(
+    flat: torch.Tensor, nxt: int, prv: int, group: dist.ProcessGroup, tag: int
+) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Start sending `flat` to global rank `nxt` and receiving its shape from `prv`.
+
+    Returns the works, the send buffer (kept alive until they finish) and the receive buffer, both on
+    the group's device: the caller waits, then moves the received buffer to its own device.
+    """
+    send = _to_group(flat, group)
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
+    return dist.batch_isend_irecv(ops), send, recv
+
+
+def ring_all_gather(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`[ws, *flat.shape]`: every rank's `flat` in group-rank order, on `flat`'s device."""
+    local = _to_group(flat, group)
+    out = torch.empty((dist.get_world_size(group), *flat.shape), dtype=local.dtype, device=local.device)
+    dist.all_gather(list(out.unbind(0)), local, group=group)
+    return out.to(flat.device)
+
+
+def ring_reduce_scatter(blocks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over the group of `blocks[rank]` (`blocks` is `[ws, ...]`), on `blocks`' device.
+
+    NCCL has a reduce-scatter; gloo does not, so there the blocks travel by all-to-all (each chunk
+    contiguous) and are summed.
+    """
+    local = _to_group(blocks, group)
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty_like(local[0])
+        dist.reduce_scatter_tensor(out, local, group=group)
+    else:
+        recv = torch.empty_like(local)
+        dist.all_to_all_single(recv, local, group=group)
+        out = recv.sum(0)
+    return out.to(blocks.device)

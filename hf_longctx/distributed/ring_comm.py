@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_longctx.distributed import comm
 from hf_longctx.distributed.failures import collective_failure
 from hf_longctx.instrument.measure import CollectiveStats, active_recorder
 
@@ -38,9 +39,11 @@ class Pending:
         stats: CollectiveStats | None,
         start: float,
         group: dist.ProcessGroup | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
+        device: torch.device | None = None,
     ):
         self._works, self._recv, self._nbytes, self._stats, self._start = works, recv, nbytes, stats, start
-        self._group = group
+        self._group, self._keep, self._device = group, keep, device or recv.device
 
     def wait(self) -> torch.Tensor:
         with collective_failure("ring_p2p", self._group):  # a dead peer surfaces here, not at the send
@@ -48,7 +51,8 @@ class Pending:
                 work.wait()
         if self._works:
             _record(self._stats, "ring_p2p", self._nbytes, time.perf_counter() - self._start)
-        self._works = []
+        self._works, self._keep = [], ()
+        self._recv = self._recv.to(self._device)  # from the group's device (the host for gloo) back
         return self._recv
 
 
@@ -77,25 +81,20 @@ class RingComm:
         """
         if self.size == 1:
             return Pending([], flat, 0, stats, 0.0)
-        recv = torch.empty_like(flat)
         nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
-        ops = [
-            dist.P2POp(dist.isend, flat, nxt, self.group, tag),
-            dist.P2POp(dist.irecv, recv, prv, self.group, tag),
-        ]
         start = time.perf_counter()
         with collective_failure("ring_p2p", self.group):
-            works = dist.batch_isend_irecv(ops)
-        return Pending(works, recv, flat.numel() * flat.element_size(), stats, start, self.group)
+            works, send, recv = comm.ring_isend_irecv(flat, nxt, prv, self.group, tag)
+        nbytes = flat.numel() * flat.element_size()
+        return Pending(works, recv, nbytes, stats, start, self.group, keep=(send,), device=flat.device)
 
     def all_gather(self, flat: torch.Tensor, stats: CollectiveStats | None = None) -> torch.Tensor:
         """`[size, *flat.shape]`: every ring rank's `flat`, in ring order."""
         if self.size == 1:
             return flat.unsqueeze(0)
-        out = torch.empty((self.size, *flat.shape), dtype=flat.dtype, device=flat.device)
         start = time.perf_counter()
         with collective_failure("ring_all_gather", self.group):
-            dist.all_gather(list(out.unbind(0)), flat.contiguous(), group=self.group)
+            out = comm.ring_all_gather(flat, self.group)
         _record(
             stats, "ring_all_gather", flat.numel() * flat.element_size() * (self.size - 1), time.perf_counter() - start
         )
@@ -104,9 +103,9 @@ class RingComm:
     def reduce_scatter(self, blocks: torch.Tensor, stats: CollectiveStats | None = None) -> torch.Tensor:
         """Sum of `blocks[rank]` over the ring: `blocks` is `[size, ...]`, block i goes to ring rank i.
 
-        NCCL has a reduce-scatter; gloo does not, so there the blocks travel by all-to-all (each chunk
-        contiguous: `torch.distributed.nn.functional.all_gather`'s gloo backward, which hands
-        non-contiguous chunks to the exchange, gave wrong gradients for some shapes) and are summed.
+        `comm.ring_reduce_scatter` moves the blocks: by reduce-scatter on NCCL, by all-to-all on gloo
+        (each chunk contiguous: `torch.distributed.nn.functional.all_gather`'s gloo backward, which
+        hands non-contiguous chunks to the exchange, gave wrong gradients for some shapes).
         """
         if self.size == 1:
             return blocks[0]
@@ -114,13 +113,7 @@ class RingComm:
         nbytes = blocks[0].numel() * blocks.element_size() * (self.size - 1)
         start = time.perf_counter()
         with collective_failure("ring_reduce_scatter", self.group):
-            if dist.get_backend(self.group) == "nccl":
-                out = torch.empty_like(blocks[0])
-                dist.reduce_scatter_tensor(out, blocks, group=self.group)
-            else:
-                recv = torch.empty_like(blocks)
-                dist.all_to_all_single(recv, blocks, group=self.group)
-                out = recv.sum(0)
+            out = comm.ring_reduce_scatter(blocks, self.group)
         _record(stats, "ring_reduce_scatter", nbytes, time.perf_counter() - start)
         return out
 

@@ -228,6 +228,7 @@ def test_bad_input_raises_on_every_rank_naming_the_culprit(scenario, expected, t
         assert message is not None, f"{scenario}: no ValueError"
         for text in expected:
             assert text in message, (text, message)
+    record_property("errors", {scenario: sorted({m.splitlines()[0][:90] for m in messages})})
 
 
 @pytest.mark.parametrize("scenario", ["at_limit", "packed", "untagged_into_contiguous_ring", "zigzag_into_ring"])
@@ -279,7 +280,7 @@ def masked_window_job(rank: int, world_size: int, out_dir: str) -> list[dict]:
     return U._logs(trainer, ("loss", "grad_norm"))
 
 
-def test_window_without_labels_gives_zero_loss_and_gradients(tmp_path):
+def test_window_without_labels_gives_zero_loss_and_gradients(tmp_path, record_property):
     sp = _faults.launch(masked_window_job, 2, str(tmp_path / "sp2"), timeout=LAUNCH_TIMEOUT_S)
     ref = _faults.launch(masked_window_job, 1, str(tmp_path / "ref"), timeout=LAUNCH_TIMEOUT_S)
     assert all(o.ok for o in sp + ref), [o.error for o in sp + ref]
@@ -293,3 +294,4 @@ def test_window_without_labels_gives_zero_loss_and_gradients(tmp_path):
         for got, want in ((got_a, want_a), (got_b, want_b)):
             for key in ("loss", "grad_norm"):
                 assert U.rel_diff(got[key], want[key]) <= 1e-5, (key, got, want)
+    record_property("outcome", {"loss": empty["loss"], "grad_norm": empty["grad_norm"], "ranks": len(sp)})

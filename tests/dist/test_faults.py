@@ -49,12 +49,13 @@ def _killed(world: int, phase: str, out_root: Path) -> tuple[list, float]:
     return outcomes, float(marker.read_text())
 
 
-def _collective_named(error: str) -> bool:
-    """The error names the collective: hf_longctx's own message, or a torch.distributed collective frame."""
-    return bool(
-        re.search(r"hf_longctx: (all_to_all|all_gather|all_reduce) over global ranks", error)
-        or re.search(r'distributed_c10d\.py", line \d+, in (all_gather|all_reduce|all_to_all|barrier|broadcast)', error)
+def _collective_named(error: str) -> str | None:
+    """Where the error names the collective: hf_longctx's own message, or a torch.distributed collective frame."""
+    named = re.search(r"hf_longctx: (all_to_all|all_gather|all_reduce) over global ranks \[[\d, ]+\]", error)
+    frame = re.search(
+        r'distributed_c10d\.py", line \d+, in (all_gather|all_reduce|all_to_all|barrier|broadcast)', error
     )
+    return named.group(0) if named else (f"traceback frame `{frame.group(1)}`" if frame else None)
 
 
 @pytest.mark.parametrize("phase", J.PHASES)
@@ -78,6 +79,10 @@ def test_killed_rank_ends_every_survivor_fast_with_a_peer_failure(world, phase, 
     if phase in ("forward", "backward"):
         assert "all_to_all over global ranks [0, 1] failed on rank 0" in sp_peer
     record_property("seconds_to_exit", delays)
+    survivors = [o for o in outcomes if o.rank != KILLED_RANK]
+    observed = {"exit_codes": sorted({o.exitcode for o in survivors}), "survivors": len(survivors)}
+    observed["peer_failures"] = sorted({PEER_FAILURE.search(o.error).group(0) for o in survivors})
+    record_property("outcome", {**observed, "rank0_names": _collective_named(sp_peer)})
 
 
 def _assert_last_checkpoint_intact(out: Path, world: int, tmp_path_factory) -> None:
@@ -140,6 +145,10 @@ def test_frozen_rank_ends_its_peer_after_the_timeout(out_root, tmp_path_factory,
     assert FREEZE_TIMEOUT_S - 0.5 <= waited < FREEZE_TIMEOUT_S + EXIT_BOUND_S, waited
     _assert_last_checkpoint_intact(out, 2, tmp_path_factory)
     record_property("seconds_to_error", waited)
+    named = re.search(r"(\w+) over global ranks \[[\d, ]+\] failed on rank \d+", peer.error).group(0)
+    record_property(
+        "outcome", {"rank0_error": named, "timeout": re.search(r"group timeout \d+ s", peer.error).group(0)}
+    )
 
 
 def test_torchrun_stops_the_job_and_names_the_dead_rank(tmp_path, tmp_path_factory, record_property):
@@ -169,6 +178,8 @@ def test_torchrun_stops_the_job_and_names_the_dead_rank(tmp_path, tmp_path_facto
             os.kill(pid, 0)
     _assert_last_checkpoint_intact(out, 2, tmp_path_factory)
     record_property("seconds_to_exit", ended - killed_at)
+    summary = re.search(r"rank\s*:\s*1 \(local_rank: 1\)", log).group(0)
+    record_property("outcome", {"summary_names": [summary, "Signal 9 (SIGKILL)"], "processes_left": 0})
 
 
 def timeouts_worker(rank: int, world_size: int, out_dir: str) -> dict[str, float | None]:

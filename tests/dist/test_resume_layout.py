@@ -55,7 +55,7 @@ def test_checkpoint_from_sp2_resumes_at_another_sp_size(sp, zero3, tmp_path_fact
     record_property("max_rel_diff", worst)
 
 
-def test_resume_that_changes_the_global_batch_is_refused_on_every_rank(tmp_path_factory):
+def test_resume_that_changes_the_global_batch_is_refused_on_every_rank(tmp_path_factory, record_property):
     run_dir, _ = J.uninterrupted(2, tmp_path_factory, timeout=LAUNCH_TIMEOUT_S)
     out = _copy_checkpoint(run_dir, tmp_path_factory.mktemp("resume_dp2_refused"))
     outcomes = _resume(("resume_dp2", J.GA), 4, out, sp=2)
@@ -68,6 +68,7 @@ def test_resume_that_changes_the_global_batch_is_refused_on_every_rank(tmp_path_
         assert "set gradient_accumulation_steps=1 or per_device_train_batch_size=1" in message
     # Refused before the first step: nothing was written.
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    record_property("outcome", {"ranks_refused": len(outcomes), "error": message[:110]})
 
 
 def test_resume_that_keeps_the_global_batch_at_dp2_matches(tmp_path_factory, record_property):

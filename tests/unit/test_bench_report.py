@@ -169,3 +169,52 @@ def test_profiled_step_columns_and_floor():
     # without profiled steps (GPU profile) the section is left out
     md = report.render_markdown({}, report.cell_rows([_run("hf_longctx", 2, 8192, 1.0, 10, 5)]), [])
     assert "### Where the time goes" not in md
+
+
+# ---- benchmarks/gpu_check.py: a SKIP is not a pass ---------------------------------------------------------------
+
+
+def _cell(kernel, status, **extra):
+    return {"kernel": kernel, "dtype": "bfloat16", "sp": 2, "status": status, **extra}
+
+
+def test_gpu_check_verdict_fails_on_unexpected_skips_and_errors():
+    from benchmarks.gpu_check import verdict
+
+    assert verdict([_cell("sdpa", "PASS"), _cell("flex_attention", "SKIP", expected=True)])[0]
+    ok, line = verdict([_cell("sdpa", "PASS"), _cell("flash_attention_2", "SKIP")])
+    assert not ok and "flash_attention_2 bfloat16 SP=2 SKIP" in line and line.startswith("gpu_check: FAIL")
+    assert not verdict([_cell("flash_attention_2", "ERROR", error="flash row refused")])[0]
+    assert not verdict([_cell("sdpa", "FAIL")])[0]
+
+
+def test_gpu_check_matrix_skips_are_expected_only_on_cpu_or_when_asked(monkeypatch, tmp_path):
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "plain_step", lambda *a, **k: (1.0, {}))
+    monkeypatch.setattr(gpu_check, "_errors", lambda *a: (0.0, 1.0))
+    monkeypatch.setattr(gpu_check, "run_cell", lambda attn, dtype, sp, device, log: _cell(attn, "PASS"))
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)  # no flash-attn installed
+    cpu = gpu_check.matrix("cpu", tmp_path)
+    assert {r["kernel"] for r in cpu if r["status"] == "SKIP"} == {"flash_attention_2", "flex_attention"}
+    assert gpu_check.verdict(cpu)[0]  # the CPU dry run cannot run them: expected
+    cuda = gpu_check.matrix("cuda", tmp_path)
+    assert [r["kernel"] for r in cuda if r["status"] == "SKIP"] == ["flash_attention_2"] * 2
+    assert not gpu_check.verdict(cuda)[0]  # on CUDA a missing flash-attn fails the check ...
+    assert gpu_check.verdict(gpu_check.matrix("cuda", tmp_path, frozenset({"flash_attention_2"})))[
+        0
+    ]  # ... unless asked
+
+
+def test_gpu_check_dry_run_verdict_from_saved_rows(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"rows": [_cell("sdpa", "PASS"), _cell("flash_attention_2", "SKIP")]}))
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--cpu-dry-run", "--from-json", str(saved)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "gpu_check: FAIL" in proc.stdout, proc.stdout + proc.stderr

@@ -234,3 +234,50 @@ def test_every_recipe_bounds_a_hang_below_the_default_timeout():
         timeout = yaml.safe_load(path.read_text()).get("ddp_timeout")
         # TrainingArguments' default is 1800 s; NCCL's own 600 s. The recipes choose theirs explicitly.
         assert isinstance(timeout, int) and 60 <= timeout < 1800, (path.name, timeout)
+
+
+# ---- the README's reliability table (scripts/reliability_table.py) ----------------------------------------------
+
+
+def _table_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "reliability_table.py"
+    spec = importlib.util.spec_from_file_location("reliability_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reliability_outcomes_are_rendered_from_what_the_tests_recorded():
+    table = _table_script()
+    kill = "test_killed_rank_ends_every_survivor_fast_with_a_peer_failure[sp2-forward]"
+    observed = {"exit_codes": [1], "survivors": 1, "peer_failures": ["Connection closed by peer"]}
+    props = {
+        kill: {"failed": False, "seconds_to_exit": {0: 0.1}, "outcome": {**observed, "rank0_names": "MEASURED-NAME"}},
+        "test_frozen_rank_ends_its_peer_after_the_timeout": {"failed": True, "seconds_to_error": 3.0},
+        "test_checkpoint_from_sp2_resumes_at_another_sp_size[sp4_world4-ddp]": {"failed": False, "max_rel_diff": 4e-7},
+        "test_window_without_labels_gives_zero_loss_and_gradients": {"failed": False},
+    }
+    outcomes = {fault: outcome for fault, outcome, _, _ in table.rows(props)}
+    first = outcomes["SIGKILL rank 1 in the forward of step 3, SP=2 (world 2)"]
+    assert "MEASURED-NAME" in first and "`Connection closed by peer`" in first and "exit with code 1" in first
+    assert outcomes["SIGSTOP rank 1 in the forward (a hang), SP=2, `ddp_timeout=3`"].startswith("**FAILED**")
+    assert outcomes["SIGKILL rank 1 in the backward of step 3, SP=2 (world 2)"] == "not run"
+    assert "4.0e-07" in next(v for k, v in outcomes.items() if k.endswith("(DDP)"))
+    assert outcomes["a gradient-accumulation window without any label"].startswith("not measured")
+
+
+def test_reliability_table_rerenders_from_its_json(tmp_path, capsys):
+    import json
+
+    table = _table_script()
+    case = {"failed": False, "outcome": {"ranks_refused": 4, "error": "ValueError: MEASURED"}}
+    saved = tmp_path / "2026-01-01-reliability.json"
+    saved.write_text(
+        json.dumps({"tests": {"test_resume_that_changes_the_global_batch_is_refused_on_every_rank": case}})
+    )
+    assert table.main(["--from-json", str(saved)]) == 0
+    text = (tmp_path / "2026-01-01-reliability.md").read_text()
+    assert "refused on all 4 ranks: `ValueError: MEASURED...`" in text

@@ -1,0 +1,164 @@
+"""The harness every benchmark shares: launch a job, run a worker function in its ranks, collect stats.
+
+`job(target, nproc, timeout, log_dir, name, **kwargs)` runs `torchrun --standalone --nproc_per_node N -m
+benchmarks._harness --call module:function --kwargs JSON --out FILE` in its own session (a timeout kills the
+launcher and every rank) and returns a record `{"status", "wall_s", "result"?, "error"?}`. Inside the job,
+`main` calls `function(rank, world_size, **kwargs)` on every rank (after `init_process_group` when
+`init` is given; else the function sets up its own group, e.g. through accelerate), gathers the per-rank
+return values and rank 0 writes `{"ranks": [...], "versions": ...}`. `Session` runs a list of jobs with one
+progress line each and the run's metadata (command, wall time, load, failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# A fixed mmap threshold turns off glibc's dynamic one: freed tensors go back to the OS, so resident memory
+# follows the live tensors (see benchmarks/README.md).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def slowest_rank_median(ranks: list[dict[str, Any]], key: str, warmup: int) -> float | None:
+    """Median over measured steps of the slowest rank's `key` (a step ends when its slowest rank ends)."""
+    n = min(len(r["steps"]) for r in ranks)
+    return median(max(r["steps"][i][key] for r in ranks) for i in range(warmup, n))
+
+
+def job(
+    target: str, nproc: int, timeout: float, log_dir: Path, name: str, env: dict[str, str] | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    """Run `target` ("module:function") in `nproc` ranks under torchrun; the record of the job."""
+    out, log = log_dir / f"{name}.json", log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += ["-m", "benchmarks._harness", "--call", target, "--kwargs", json.dumps(kwargs), "--out", str(out)]
+    full_env = {**os.environ, **OFFLINE_ENV, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    record: dict[str, Any] = {"launched_at": time.time()}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        # A new session, so a timeout can kill torchrun and every rank it started (its process group).
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = None
+    record.update(wall_s=time.perf_counter() - t0, ended_at=time.time())
+    if rc == 0 and out.exists():
+        record.update(status="ok", result=json.loads(out.read_text()))
+    else:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        oom = any("out of memory" in line.lower() for line in tail)
+        status = "timeout" if rc is None else ("oom" if oom else "failed")
+        record.update(status=status, error=f"rc={rc}: " + " | ".join(line.strip() for line in tail))
+    return record
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+class Session:
+    """One benchmark invocation: its jobs, their logs, and the metadata every results file starts with."""
+
+    def __init__(self, command: str, argv: list[str] | None, log_dir: Path) -> None:
+        args = argv if argv is not None else sys.argv[1:]
+        self.meta: dict[str, Any] = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count()}
+        self.meta.update(command=" ".join([command, *map(shlex.quote, args)]), load_start=load())
+        self.log_dir, self.records, self._t0 = log_dir, [], time.perf_counter()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        print(f"logs in {log_dir}", flush=True)
+
+    def run(self, stored: dict[str, Any], label: str, target: str, nproc: int, timeout: float, **kw: Any) -> dict:
+        """Run one job with `target`'s keyword arguments `kw` (and `env`); `stored` is its record's spec."""
+        name = f"job{len(self.records):03d}"
+        record = {"spec": stored, **job(target, nproc, timeout, self.log_dir, name, **kw)}
+        self.records.append(record)
+        elapsed = time.perf_counter() - self._t0
+        tail = "" if record["status"] == "ok" else "  " + record.get("error", "")[:300]
+        print(f"[{len(self.records):3d} {elapsed:6.0f}s] {label}: {record['status']} in {record['wall_s']:.0f}s{tail}")
+        return record
+
+    def finish(self, failure: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+        ok = sum(r["status"] == "ok" for r in self.records)
+        self.meta.update(total_wall_s=time.perf_counter() - self._t0, load_end=load())
+        self.meta.update(runs_ok=ok, runs_failed=len(self.records) - ok)
+        self.meta["failures"] = [f"{failure(r)}: {r['status']} {r.get('error', '')[:400]}" for r in self.records
+                                 if r["status"] != "ok"]  # fmt: skip
+        return self.meta
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "hf_longctx"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "?"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one benchmark job's ranks (launched by benchmarks._harness.job)")
+    parser.add_argument("--call", required=True, help="module:function, called as fn(rank, world_size, **kwargs)")
+    parser.add_argument("--kwargs", default="{}")
+    parser.add_argument("--init", default=None, help="init_process_group backend before the call (else none)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import torch.distributed as dist
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    kwargs = json.loads(args.kwargs)
+    backend = kwargs.pop("init_backend", args.init)
+    if backend:
+        dist.init_process_group(backend)
+    module, function = args.call.split(":")
+    t0 = time.perf_counter()
+    result = getattr(importlib.import_module(module), function)(rank, world, **kwargs)
+    ranks = [result]
+    if dist.is_initialized() and world > 1:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, result)
+    if rank == 0:
+        out = {"world_size": world, "ranks": ranks, "versions": versions(), "worker_s": time.perf_counter() - t0}
+        Path(args.out + ".tmp").write_text(json.dumps(out))
+        os.replace(args.out + ".tmp", args.out)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Skip the interpreter's teardown (atexit hooks and GC of torch/transformers/DeepSpeed: ~3 s per process on
+    # the 2-core box); the result file is complete and closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
