@@ -146,3 +146,15 @@ def liger_fused_linear_cross_entropy() -> Callable[..., Any] | None:
     except ImportError:
         return None
     return fn
+
+
+def trainer_deepspeed_config(trainer: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config dict a Trainer hands to `deepspeed.initialize`, or None without DeepSpeed.
+
+    accelerate 1.x keeps it as `deepspeed_plugin.hf_ds_config.config` (also `deepspeed_plugin.deepspeed_config`,
+    the same object); transformers' `deepspeed_init` finalizes that dict at `train()` before the engine exists.
+    """
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return getattr(getattr(plugin, "hf_ds_config", None), "config", None)
