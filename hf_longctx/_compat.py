@@ -201,3 +201,15 @@ def has_matmul_out_dtype() -> bool:
     """True where `torch.addmm(..., out_dtype=torch.float32)` exists (CUDA, torch >= 2.8): a bfloat16 matmul
     that accumulates into a float32 tensor without a float32 copy of its operands."""
     return TORCH_VERSION >= version.parse("2.8")
+
+
+def trainer_deepspeed_config(trainer: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config dict a Trainer hands to `deepspeed.initialize`, or None without DeepSpeed.
+
+    accelerate 1.x keeps it as `deepspeed_plugin.hf_ds_config.config` (also `deepspeed_plugin.deepspeed_config`,
+    the same object); transformers' `deepspeed_init` finalizes that dict at `train()` before the engine exists.
+    """
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return getattr(getattr(plugin, "hf_ds_config", None), "config", None)

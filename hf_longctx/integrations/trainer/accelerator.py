@@ -72,6 +72,9 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
             "accelerator_config={'use_configured_state': True}."
         )
     validate_sp_size(config.sp_size, accelerator.num_processes)
+    from hf_longctx.integrations.trainer.resume import install_resume_patch
+
+    install_resume_patch()  # a ZeRO resume at another world size, at any sp_size (resume.py)
     if config.sp_size == 1:
         attach_memory_flags(config, accelerator)  # the memory flags apply without SP too
         return None

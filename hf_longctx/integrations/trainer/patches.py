@@ -22,7 +22,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 from hf_longctx.distributed.failures import apply_timeout
 from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_num_items
-from hf_longctx.integrations.trainer.resume import track_layout
+from hf_longctx.integrations.trainer.resume import remove_resume_patch, track_layout
 from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
 
 SHIFTED_LABELS_ATTR = "hf_longctx_takes_shifted_labels"
@@ -163,6 +163,7 @@ def remove_trainer_patches() -> None:
     for patch in _TRAINER_PATCHES.values():
         patch.remove()
     _TRAINER_PATCHES.clear()
+    remove_resume_patch()
 
 
 def _subclasses_defining(cls: type, name: str) -> list[type]:

@@ -12,17 +12,36 @@ gradient accumulation.
 `trainer_state.json` (`stateful_callbacks`) and reads back on resume. `UniversalCheckpointFix` repairs the
 optimizer state DeepSpeed's ZeRO-3 universal-checkpoint loader leaves behind (see `_compat.untie_optimizer_steps`);
 SP runs get both, a run without SP can add the second itself.
+
+ZeRO partitions parameters and optimizer state over every rank, so its checkpoint loads only at the DP world
+size that saved it (DeepSpeed's own error names no fix). `Trainer.train` is patched (`install_resume_patch`,
+from `attach`, at any sp_size) so that a resume whose world size differs from the checkpoint's converts it
+once with DeepSpeed's `ds_to_universal` (rank 0, beside the checkpoint, the other ranks waiting within the job's
+timeout) and loads it universally; a failed conversion raises on every rank with the command to run by hand.
 """
 
 from __future__ import annotations
 
+import datetime
+import glob
+import os
+import shlex
+import subprocess
+import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from hf_longctx import _compat
+from hf_longctx.distributed import comm
+from hf_longctx.distributed.failures import CollectiveError
+from hf_longctx.integrations.patching import Patch
+
+UNIVERSAL_LATEST = "latest_universal"  # the tag file ds_to_universal writes and DeepSpeed's universal load reads
 
 
 def current_layout(args: Any) -> dict[str, int]:
@@ -115,3 +134,154 @@ def track_layout(trainer: Any, undo: list[Any]) -> None:
         callback = cls()
         trainer.add_callback(callback)
         undo.append(lambda callback=callback: ref() is not None and ref().remove_callback(callback))
+
+
+def zero_checkpoint_folder(checkpoint: str) -> str | None:
+    """The DeepSpeed tag folder (`global_stepN`) inside a Trainer checkpoint, or None if it holds none."""
+    latest = os.path.join(checkpoint, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            tags = [f.read().strip()]
+    else:
+        tags = [os.path.basename(p) for p in glob.glob(os.path.join(checkpoint, "global_step*"))]
+        tags = [t for t in tags if not t.endswith("_universal")]
+    folders = [os.path.join(checkpoint, t) for t in tags if t and os.path.isdir(os.path.join(checkpoint, t))]
+    return folders[0] if len(folders) == 1 else None
+
+
+def saved_zero_world_size(folder: str) -> int:
+    """How many DP ranks saved a ZeRO checkpoint: one optimizer partition file each (DeepSpeed's naming)."""
+    return len(glob.glob(os.path.join(folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+
+
+def universal_command(folder: str) -> str:
+    """DeepSpeed's own conversion of the tag folder `folder` to a universal checkpoint, as a shell command."""
+    return (
+        f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {shlex.quote(folder)} "
+        f"--output_folder {shlex.quote(folder + '_universal')}"
+    )
+
+
+def prepare_universal_resume(trainer: Any, checkpoint: str) -> bool:
+    """Make a ZeRO checkpoint saved at another world size loadable here; True when it must load universally.
+
+    Converts it (once, on rank 0, every rank waiting) unless it already carries a universal copy.
+
+    Raises:
+        RuntimeError: on every rank, when the conversion failed or did not finish within the job's
+            timeout, naming the command that converts it by hand.
+    """
+    config = _compat.trainer_deepspeed_config(trainer)
+    folder = zero_checkpoint_folder(checkpoint) if config is not None else None
+    saved = saved_zero_world_size(folder) if folder is not None else 0
+    wanted = bool((config or {}).get("checkpoint", {}).get("load_universal", False))
+    if not saved or (saved == trainer.args.world_size and not wanted):
+        return False
+    if not os.path.isfile(os.path.join(checkpoint, UNIVERSAL_LATEST)):
+        what = f"saved by {saved} DP ranks, resumed by {trainer.args.world_size}"
+        _convert_once(folder, what)
+    return True
+
+
+def _convert_once(folder: str, what: str) -> None:
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    timeout = _compat.group_timeout(group) or datetime.timedelta(minutes=30)
+    command = universal_command(folder)
+    error = None
+    if group is None or dist.get_rank() == 0:
+        # A little under the group's timeout: rank 0 reports its own failure before the others give up.
+        error = _run_conversion(folder, 0.9 * timeout.total_seconds())
+    fix = f"Convert it by hand, then resume again: {command}"
+    try:
+        errors = [e for e in comm.all_gather_object(error, group) if e]
+    except CollectiveError as exc:
+        raise RuntimeError(
+            f"Rank 0 did not finish converting the ZeRO checkpoint {folder} ({what}) to DeepSpeed's universal "
+            f"format within the job's timeout ({timeout}; TrainingArguments.ddp_timeout). {fix}"
+        ) from exc
+    if errors:
+        raise RuntimeError(
+            f"Converting the ZeRO checkpoint {folder} ({what}) to DeepSpeed's universal format failed: "
+            f"{errors[0]}. {fix}"
+        )
+    if not os.path.isfile(os.path.join(os.path.dirname(folder), UNIVERSAL_LATEST)):
+        raise RuntimeError(
+            f"Rank 0 converted {folder} ({what}) but this rank does not see its universal copy: the checkpoint "
+            f"must be on a filesystem every node shares. {fix}"
+        )
+
+
+def _run_conversion(folder: str, timeout_s: float) -> str | None:
+    """Run DeepSpeed's converter in a child process; the reason it failed, or None."""
+    argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", folder]
+    argv += ["--output_folder", folder + "_universal"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return f"it ran past {timeout_s:.0f} s"
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"exit status {done.returncode}: {tail[0]}"
+    return None
+
+
+def _train(original: Callable[..., Any]) -> Callable[..., Any]:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if not _uses_hf_longctx(self) or not resume_from_checkpoint:
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            # None: the Trainer raises its own "no valid checkpoint" below.
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        if resume_from_checkpoint is True or not prepare_universal_resume(self, resume_from_checkpoint):
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        return _train_universally(self, original, resume_from_checkpoint, *args, **kwargs)
+
+    return train
+
+
+def _train_universally(trainer: Any, original: Callable[..., Any], checkpoint: str, *args: Any, **kwargs: Any) -> Any:
+    """Run `train` with DeepSpeed's universal load on, and the AdamW step repair, for this call only."""
+    config = _compat.trainer_deepspeed_config(trainer)
+    section = config.setdefault("checkpoint", {})
+    before = section.get("load_universal")
+    section["load_universal"] = True
+    fix = None
+    if not any(isinstance(cb, UniversalCheckpointFix) for cb in trainer.callback_handler.callbacks):
+        fix = UniversalCheckpointFix()
+        trainer.add_callback(fix)
+    try:
+        return original(trainer, checkpoint, *args, **kwargs)
+    finally:
+        if fix is not None:
+            trainer.remove_callback(fix)
+        if before is None:
+            section.pop("load_universal", None)
+        else:
+            section["load_universal"] = before
+
+
+def _uses_hf_longctx(trainer: Any) -> bool:
+    from hf_longctx.config import ParallelismConfig
+
+    config = getattr(trainer.args, "parallelism_config", None)
+    return isinstance(config, ParallelismConfig) and not config.sp_upstream
+
+
+_RESUME_PATCH: list[Patch] = []
+
+
+def install_resume_patch() -> None:
+    """Patch `Trainer.train` (idempotent): it acts only for Trainers with an hf_longctx `parallelism_config`."""
+    from transformers import Trainer
+
+    if not _RESUME_PATCH:
+        _RESUME_PATCH.append(Patch(Trainer, "train", _train))
+    _RESUME_PATCH[0].apply()
+
+
+def remove_resume_patch() -> None:
+    """Restore `Trainer.train`."""
+    while _RESUME_PATCH:
+        _RESUME_PATCH.pop().remove()
