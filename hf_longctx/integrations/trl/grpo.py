@@ -27,7 +27,8 @@ from hf_longctx.data.consistency import shard_batch
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.comm import all_gather_object, all_gather_sequence, all_reduce_sum
 from hf_longctx.integrations.patching import Patch
-from hf_longctx.integrations.trainer.accelerator import SequenceParallelState, _unwrap, sp_hidden
+from hf_longctx.integrations.trainer.accelerator import sp_hidden
+from hf_longctx.integrations.trainer.state import SequenceParallelState, _unwrap
 
 _HANDLE_ATTR = "_hf_longctx_sp_handle"
 # `_get_per_token_logps_and_entropies` keyword inputs of vision-language models: not sharded here.
@@ -81,9 +82,9 @@ def check_grpo_settings(trainer: Any) -> None:
         ValueError: naming the option to change.
     """
     args = trainer.args
-    if getattr(trainer, "use_vllm", False):
+    if getattr(args, "use_vllm", False):
         raise ValueError("GRPOTrainer under SP generates with transformers only: set use_vllm=False.")
-    if trainer.scale_rewards == "batch":
+    if args.scale_rewards == "batch":
         raise ValueError(
             "scale_rewards='batch' under SP would take the std over rewards that every SP rank repeats: "
             "use scale_rewards='group' or 'none'."
@@ -93,16 +94,16 @@ def check_grpo_settings(trainer: Any) -> None:
             "multi_objective_aggregation='normalize_then_sum' under SP takes a batch-wide std over repeated "
             "rewards: use 'sum_then_normalize'."
         )
-    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
         raise ValueError(
             "top_entropy_quantile < 1.0 under SP takes a quantile over entropies every SP rank repeats: "
             "set top_entropy_quantile=1.0."
         )
     local = args.per_device_train_batch_size * args.steps_per_generation
-    if local % trainer.num_generations:
+    if local % args.num_generations:
         raise ValueError(
             f"Under SP each rank's generation batch (per_device_train_batch_size * steps_per_generation = {local}) "
-            f"must hold whole prompt groups: make it a multiple of num_generations={trainer.num_generations}."
+            f"must hold whole prompt groups: make it a multiple of num_generations={args.num_generations}."
         )
 
 
