@@ -1,0 +1,6 @@
+"""TRL trainers under hf_longctx SP: which ones run exactly, and the SP paths of those that need one.
+
+`support.check_trainer` runs while a Trainer is being constructed (from the `_validate_args` patch in
+`integrations/trainer/patches.py`): a TRL trainer without an exact SP path is refused there, by name,
+and a supported one may set up its SP path (`Support.setup`).
+"""
