@@ -20,16 +20,17 @@ def test_refused_trainer_error_names_it_and_what_works(name):
         support.check_trainer_class(_trl_class(name))
     message = str(err.value)
     assert message.startswith(f"{name} is not supported with hf_longctx sequence parallelism")
-    assert "What works under SP: transformers' Trainer (and subclasses), SFTTrainer" in message
+    assert "What works under SP: transformers' Trainer (and subclasses), RewardTrainer, SFTTrainer" in message
 
 
 def test_real_trl_trainers_are_judged_by_their_own_class():
     from transformers import Trainer
     from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-    assert support.trainer_verdict(SFTTrainer) == ("SFTTrainer", support.REGISTRY["SFTTrainer"])
-    assert support.check_trainer_class(SFTTrainer).supported
-    for cls in (DPOTrainer, RewardTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer):
+    for cls in (SFTTrainer, RewardTrainer):
+        assert support.trainer_verdict(cls) == (cls.__name__, support.REGISTRY[cls.__name__])
+        assert support.check_trainer_class(cls).supported
+    for cls in (DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer):
         with pytest.raises(NotImplementedError, match=f"^{cls.__name__} is not supported"):
             support.check_trainer_class(cls)
     assert support.trainer_verdict(Trainer) == ("Trainer", support.Support(True))

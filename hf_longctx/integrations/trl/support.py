@@ -27,13 +27,19 @@ class Support:
     setup: Callable[[Any, Any], None] | None = None
 
 
+def _setup_reward(trainer: Any, state: Any) -> None:
+    from hf_longctx.integrations.trl.reward import setup_reward
+
+    setup_reward(trainer, state)
+
+
 _GENERATION = "it builds its training batch from generated completions inside the trainer"
 _PER_SEQUENCE = "its loss uses per-sequence log-probabilities, which each SP rank holds only part of"
 
 REGISTRY: dict[str, Support] = {
     "SFTTrainer": Support(True),
     "DPOTrainer": Support(False, _PER_SEQUENCE),
-    "RewardTrainer": Support(False, "its score is read at each sequence's last real token, which one SP rank holds"),
+    "RewardTrainer": Support(True, setup=_setup_reward),
     # The grpo integration turns this entry into a supported one.
     "GRPOTrainer": Support(False, _GENERATION),
     "RLOOTrainer": Support(False, _GENERATION),
