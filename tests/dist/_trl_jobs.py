@@ -86,7 +86,10 @@ def _zero3_args(stage: int | None) -> dict[str, Any]:
     if stage is None:
         return {"use_cpu": True}
     from accelerate import PartialState
+    from accelerate.state import AcceleratorState
 
+    # An earlier run in this process configured the shared state without DeepSpeed: start it again.
+    AcceleratorState._reset_state(reset_partial_state=True)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")
     config = {

@@ -31,9 +31,9 @@ CONFIGS = {
     "trainer_flags": ({"gradient_checkpointing": True}, {"gradient_checkpointing": True, "flags": FLAGS}),
     "resume_full": ({"save_steps": 2}, {"save_steps": 2}),
     "resume": (None, {"resume_from": "resume_full/checkpoint-2"}),
-    # Last: the DeepSpeed state it creates stays in the process.
-    "trainer_zero3": (None, {"zero": 3, "gradient_checkpointing": True}),
 }
+# Its own spawn: the DeepSpeed state it creates stays in the process.
+ZERO3 = {"trainer_zero3": {"zero": 3, "gradient_checkpointing": True, "sp": 2}}
 REFERENCE_OF = {"trainer_zero3": "trainer_ulysses_gc", "resume": "resume_full"}
 
 
@@ -42,7 +42,11 @@ def out_root(tmp_path_factory: pytest.TempPathFactory):
     return tmp_path_factory.mktemp("peft")
 
 
-def _world(world_size: int, out_root) -> list[dict]:
+def _world(world_size: int, out_root, zero3: bool = False) -> list[dict]:
+    if zero3:
+        return U.spawn_once(
+            ("peft-zero3", 2), J.lora_worker, 2, str(out_root / "zero3"), ZERO3, timeout=SPAWN_TIMEOUT_S[2]
+        )
     if world_size == 1:
         configs = {name: ref for name, (ref, _) in CONFIGS.items() if ref is not None}
     else:
@@ -67,14 +71,14 @@ def _assert_weights_equal(got: dict, want: dict) -> float:
     return worst
 
 
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in ("resume_full", "resume")])
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in ("resume_full", "resume")] + list(ZERO3))
 def test_lora_sp2_matches_single_process(name, out_root, record_property):
     ref = _world(1, out_root)[0][REFERENCE_OF.get(name, name)]
     assert ref["peft"] == "PeftModel" and ref["attn"] == "sdpa"
     # LoRA on every linear layer of 2 decoder layers (7 each): A and B, nothing else trains.
     assert len(ref["trainable"]) == 28 and all("lora_" in n for n in ref["trainable"])
     worst = {}
-    for rank_results in _world(2, out_root):
+    for rank_results in _world(2, out_root, zero3=name in ZERO3):
         result = rank_results[name]
         assert result["peft"] == "PeftModel" and result["attn"].startswith("hf_longctx_"), result["attn"]
         worst.update(U.compare_logs(result["logs"], ref["logs"], J.LORA_KEYS, RTOL))
