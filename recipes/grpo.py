@@ -16,7 +16,6 @@ from trl import GRPOConfig, GRPOTrainer, TrlParser
 import hf_longctx
 from hf_longctx.data.defaults import gpt2_tokenizer, load_corpus, tiny_llama
 from hf_longctx.integrations.trainer import sp_state
-from hf_longctx.integrations.trl.grpo import install_grpo_sp
 
 
 @dataclass
@@ -49,8 +48,6 @@ def main() -> None:
         processing_class=tokenizer,
     )
     state = sp_state(trainer)
-    if state is not None:
-        install_grpo_sp(trainer, state)  # until the lead wires it into prepare_trainer
     trainer.train()
     sp = state.groups.sp_world_size if state is not None else 1
     attention = trainer.model.config._attn_implementation

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 import hf_longctx
-from hf_longctx.integrations.trainer.accelerator import sp_state
-from hf_longctx.integrations.trl.grpo import grpo_config, install_grpo_sp
+from hf_longctx.integrations.trl.grpo import grpo_config
 from tests._models import tiny_model
 from tests.dist._trainer_utils import tiny_tokenizer
 
@@ -89,9 +88,6 @@ def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
     )
     if skew:
         _skew(trainer)
-    state = sp_state(trainer)
-    if state is not None:
-        install_grpo_sp(trainer, state)
     return trainer
 
 

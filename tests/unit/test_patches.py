@@ -8,7 +8,7 @@ from hf_longctx.integrations import trainer as sp_trainer
 from hf_longctx.integrations.patching import PATCH_MARKER, Patch
 
 # Every attribute hf_longctx may replace outside its own objects. A new target must be added here on purpose.
-ALLOWED = {"get_sp_size", "get_total_train_batch_size", "prediction_step"}
+ALLOWED = {"get_sp_size", "get_total_train_batch_size", "_validate_args", "prediction_step"}
 
 
 def test_patch_targets_are_allow_listed_idempotent_and_reversible():
@@ -57,6 +57,7 @@ def test_gated_patches_leave_plain_trainers_alone(tmp_path):
     expected = {
         "get_sp_size": Trainer.get_sp_size(trainer),
         "get_total_train_batch_size": Trainer.get_total_train_batch_size(trainer, args),
+        "_validate_args": Trainer._validate_args(trainer),
         "prediction_step": Trainer.prediction_step(trainer, trainer.model, dict(inputs), False),
     }
     try:
@@ -66,6 +67,7 @@ def test_gated_patches_leave_plain_trainers_alone(tmp_path):
         got = {
             "get_sp_size": trainer.get_sp_size(),
             "get_total_train_batch_size": trainer.get_total_train_batch_size(args),
+            "_validate_args": trainer._validate_args(),
             "prediction_step": trainer.prediction_step(trainer.model, dict(inputs), False),
         }
         for name in expected:

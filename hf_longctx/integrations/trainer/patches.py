@@ -1,9 +1,10 @@
 """The class-level Trainer patches, gated on an attached accelerator, and the Trainer settings SP needs.
 
-Three `Trainer` methods have no registry or hook to plug into, so they are replaced through
+Four `Trainer` methods have no registry or hook to plug into, so they are replaced through
 `patching.Patch` (reversible, idempotent): `get_sp_size` and `get_total_train_batch_size` (step and
-token arithmetic: SP ranks share samples) and `prediction_step` (evaluation outputs merged over the
-SP group, once per call however deep a subclass's `super()` chain is). Each acts only when the
+token arithmetic: SP ranks share samples), `_validate_args` (TRL trainers without an exact SP path
+refused at construction, `integrations/trl/support.py`) and `prediction_step` (evaluation outputs
+merged over the SP group, once per call however deep a subclass's `super()` chain is). Each acts only when the
 trainer's accelerator carries hf_longctx SP; otherwise it calls the original.
 
 `prepare_trainer` runs at the start of `train()` and of every evaluation: it refuses settings that
@@ -112,6 +113,20 @@ def _get_total_train_batch_size(original):
     return get_total_train_batch_size
 
 
+def _validate_args(original):
+    def validate_args(self) -> None:
+        # Runs inside Trainer.__init__, once the accelerator exists: a TRL trainer without an exact SP
+        # path fails here, by name, before any step (hf_longctx.integrations.trl.support).
+        original(self)
+        state = sp_state(self)
+        if state is not None:
+            from hf_longctx.integrations.trl.support import check_trainer
+
+            check_trainer(self, state)
+
+    return validate_args
+
+
 def _prediction_step(original):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         state = sp_state(self)
@@ -147,6 +162,7 @@ def install_trainer_patches() -> list[Patch]:
     wanted = [
         (Trainer, "get_sp_size", _get_sp_size),
         (Trainer, "get_total_train_batch_size", _get_total_train_batch_size),
+        (Trainer, "_validate_args", _validate_args),
     ]
     wanted += [
         (owner, "prediction_step", _prediction_step)

@@ -37,7 +37,9 @@ class SequenceParallelState:
             return
         self.handles.append(enable_sequence_parallel(model, self.groups, **self.config.attention_options()))
         # Memory flags (tiled loss / MLP, activation offload; hf_longctx/memory): a no-op handle when all off.
-        self.handles.append(apply_memory_flags(model, self.config))
+        # A PEFT model's flags go on the transformers model it wraps (PEFT calls its forward directly).
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.handles.append(apply_memory_flags(base, self.config))
 
     def check(self, model: Any) -> None:
         """Validate a model SP will run (heads, kernel, token mixers) once, without changing it."""

@@ -1,1 +1,7 @@
-"""TRL trainer integrations (GRPO: grpo.py)."""
+"""TRL trainers under hf_longctx SP: which ones run exactly, and the SP paths of those that need one.
+
+`support.check_trainer` runs while a Trainer is being constructed (from the `_validate_args` patch in
+`integrations/trainer/patches.py`): a TRL trainer without an exact SP path is refused there, by name,
+and a supported one sets up its SP path (`Support.setup`): `reward.py` (RewardTrainer's last-token
+score), `grpo.py` (GRPOTrainer's sharded log-prob forward and loss).
+"""

@@ -1,0 +1,131 @@
+"""Which TRL trainers run exactly under hf_longctx SP, decided once per Trainer at construction.
+
+A trainer's loss decides: SFT's token mean is exact on shards (hf_longctx's labels are shifted on the
+full sequence), but a loss built from per-sequence quantities (DPO's summed log-probabilities, a reward
+model's last-token score) or from generated samples needs its own SP path, and silently computing it
+per shard would be wrong. So every TRL trainer is looked up here: supported ones may set up their SP
+path, anything else (a TRL trainer this registry does not know included) raises `NotImplementedError`
+naming the trainer and what works instead, before any step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# A user's trainer built directly on these is judged like transformers' Trainer.
+_GENERIC = {"_BaseTrainer", "BaseTrainer"}
+
+
+@dataclass(frozen=True)
+class Support:
+    """One trainer's verdict: `setup(trainer, state)` prepares (or refines the refusal of) a supported one."""
+
+    supported: bool
+    reason: str = ""
+    setup: Callable[[Any, Any], None] | None = None
+
+
+def _setup_reward(trainer: Any, state: Any) -> None:
+    from hf_longctx.integrations.trl.reward import setup_reward
+
+    setup_reward(trainer, state)
+
+
+def _setup_grpo(trainer: Any, state: Any) -> None:
+    from hf_longctx.integrations.trl.grpo import install_grpo_sp
+
+    state.undo.append(install_grpo_sp(trainer, state))
+
+
+_GENERATION = "it builds its training batch from generated completions inside the trainer"
+_PER_SEQUENCE = "its loss uses per-sequence log-probabilities, which each SP rank holds only part of"
+
+REGISTRY: dict[str, Support] = {
+    "SFTTrainer": Support(True),
+    "DPOTrainer": Support(False, _PER_SEQUENCE),
+    "RewardTrainer": Support(True, setup=_setup_reward),
+    # Built through `hf_longctx.integrations.trl.grpo.grpo_config` (TRL's GRPOConfig refuses sp_size > 1).
+    "GRPOTrainer": Support(True, setup=_setup_grpo),
+    "RLOOTrainer": Support(False, _GENERATION),
+    "OnlineDPOTrainer": Support(False, _GENERATION),
+    "GMPOTrainer": Support(False, _GENERATION),
+    "AsyncGRPOTrainer": Support(False, _GENERATION),
+    "A2POTrainer": Support(False, _GENERATION),
+    "SDFTTrainer": Support(False, _GENERATION),
+    "SDPOTrainer": Support(False, _GENERATION),
+    "IWOPDTrainer": Support(False, _GENERATION),
+    "TPOTrainer": Support(False, _GENERATION),
+    "GKDTrainer": Support(False, _GENERATION + " and compares teacher and student logits per token"),
+    "GOLDTrainer": Support(False, _GENERATION + " and compares teacher and student logits per token"),
+    "DistillationTrainer": Support(False, _GENERATION),
+    "AsyncDistillationTrainer": Support(False, _GENERATION),
+    "ServerDistillationTrainer": Support(False, _GENERATION),
+    "PPOTrainer": Support(False, _GENERATION),
+    "XPOTrainer": Support(False, _GENERATION),
+    "NashMDTrainer": Support(False, _GENERATION),
+    "KTOTrainer": Support(False, _PER_SEQUENCE + " (and a KL term over mismatched pairs)"),
+    "ORPOTrainer": Support(False, _PER_SEQUENCE),
+    "CPOTrainer": Support(False, _PER_SEQUENCE),
+    "BCOTrainer": Support(False, _PER_SEQUENCE),
+    "PRMTrainer": Support(False, "its loss reads per-step token labels the SP shards split"),
+}
+
+
+def supported_summary() -> str:
+    """What works under SP, for error messages."""
+    names = sorted(name for name, s in REGISTRY.items() if s.supported)
+    return (
+        "transformers' Trainer (and subclasses), "
+        + ", ".join(names)
+        + " (see the hf_longctx README, 'TRL trainers'); or train without parallelism_config / with sp_size=1"
+    )
+
+
+def trainer_verdict(trainer_cls: type) -> tuple[str, Support]:
+    """The TRL trainer `trainer_cls` is judged as (the first TRL class in its MRO) and its verdict.
+
+    A class outside TRL on top of transformers' Trainer only is `("Trainer", supported)`; a TRL trainer
+    missing from `REGISTRY` is refused (it may have a loss SP would shard silently).
+    """
+    for cls in trainer_cls.__mro__:
+        if not cls.__module__.split(".")[0] == "trl":
+            continue
+        if cls.__name__ in _GENERIC:
+            break
+        if cls.__name__ in REGISTRY:
+            return cls.__name__, REGISTRY[cls.__name__]
+        return cls.__name__, Support(False, "hf_longctx has not checked this TRL trainer under SP")
+    return "Trainer", Support(True)
+
+
+def refuse(name: str, reason: str) -> NotImplementedError:
+    """The error for a trainer (or one of its options) without an exact SP path."""
+    return NotImplementedError(
+        f"{name} is not supported with hf_longctx sequence parallelism: {reason}, so sharding its sequences "
+        f"would give a wrong loss. What works under SP: {supported_summary()}."
+    )
+
+
+def check_trainer_class(trainer_cls: type) -> Support:
+    """The verdict for a supported trainer class.
+
+    Raises:
+        NotImplementedError: naming the trainer and what works under SP.
+    """
+    name, verdict = trainer_verdict(trainer_cls)
+    if not verdict.supported:
+        raise refuse(name, verdict.reason)
+    return verdict
+
+
+def check_trainer(trainer: Any, state: Any) -> None:
+    """Refuse a TRL trainer without an exact SP path, or set up the SP path of a supported one.
+
+    Raises:
+        NotImplementedError: naming the trainer (or its unsupported option) and what works.
+    """
+    verdict = check_trainer_class(type(trainer))
+    if verdict.setup is not None:
+        verdict.setup(trainer, state)

@@ -1,0 +1,70 @@
+"""TRL `RewardTrainer` under hf_longctx SP is exact: SP=2 against one process without SP, per step.
+
+Each pair's score is read at its last real token: the chosen rows end on SP rank 1 and the rejected rows on
+rank 0 (contiguous layout), and on either half of the zigzag layout (ring). Compared per step: loss, grad_norm,
+accuracy, margin, min/mean/max reward, num_tokens; and every trained weight after the run (SGD, no clipping:
+equal weights mean equal per-parameter gradients at every step).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import _trainer_utils as U
+from tests.dist import _trl_jobs as J
+
+RTOL = 1e-5
+SPAWN_TIMEOUT_S = {1: 300, 2: 400}
+RELATIVE = tuple(k for k in J.REWARD_KEYS if k != "margin")
+CONFIGS = {
+    "ulysses": {},
+    "ring": {"sp_options": {"sp_backend": "ring"}},
+    "lora": {"peft": True},
+}
+
+
+@pytest.fixture(scope="module")
+def out_root(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("reward")
+
+
+def _world(world_size: int, out_root) -> list[dict]:
+    configs = {name: {**c, "sp": world_size} for name, c in CONFIGS.items()}
+    if world_size == 1:
+        configs = {name: {k: v for k, v in c.items() if k != "sp_options"} for name, c in configs.items()}
+    return U.spawn_once(
+        ("reward", world_size),
+        J.reward_worker,
+        world_size,
+        str(out_root / f"world{world_size}"),
+        configs,
+        timeout=SPAWN_TIMEOUT_S[world_size],
+    )
+
+
+def test_pairs_end_on_different_sp_ranks():
+    for row in J.reward_rows(16):
+        chosen, rejected = len(row["chosen"].split()), len(row["rejected"].split())
+        # Any batch is padded to >= 20 tokens (a chosen row) and <= 31 (chosen + eos): halves split at 10..16.
+        assert chosen - 1 >= 16 and rejected < 10
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_reward_sp2_matches_single_process(name, out_root, record_property):
+    ref = _world(1, out_root)[0][name]
+    assert ref["attn"] == "sdpa"
+    worst = {}
+    for rank_results in _world(2, out_root):
+        result = rank_results[name]
+        assert result["attn"].startswith("hf_longctx_"), result["attn"]
+        worst.update(U.compare_logs(result["logs"], ref["logs"], RELATIVE, RTOL))
+        # The margin is a difference of O(1) rewards: compared on the rewards' scale, not its own.
+        for got, want in zip(result["logs"], ref["logs"], strict=True):
+            assert abs(got["margin"] - want["margin"]) <= RTOL * abs(want["mean_reward"]) + 1e-7, (got, want)
+        assert sorted(result["weights"]) == sorted(ref["weights"])
+        for param, want in ref["weights"].items():
+            diff = float((result["weights"][param] - want).abs().max() / want.abs().max())
+            assert diff <= RTOL, f"{param}: rel {diff:.2e}"
+            worst["weights"] = max(worst.get("weights", 0.0), diff)
+    assert {"loss", "grad_norm", "accuracy"} <= set(worst)
+    record_property("max_rel_diff", worst)
