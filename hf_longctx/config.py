@@ -129,7 +129,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         """accelerate's mesh without an SP axis: our SP groups are built by `SequenceParallelGroups`."""
         if self.sp_upstream:
             return super().build_device_mesh(device_type)
-        from hf_longctx.integrations.trainer import sp_hidden
+        from hf_longctx.integrations.trainer.state import sp_hidden
 
         with sp_hidden(self):
             return super().build_device_mesh(device_type)
@@ -138,7 +138,8 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         """Called by `Accelerator.__init__`: validate, then hook hf_longctx SP into that accelerator."""
         if self.sp_upstream:
             return super()._validate_accelerator(accelerator)
-        from hf_longctx.integrations.trainer import attach, sp_hidden
+        from hf_longctx.integrations.trainer.accelerator import attach
+        from hf_longctx.integrations.trainer.state import sp_hidden
 
         with sp_hidden(self):
             if accelerator.is_fsdp2 and self.dp_shard_size == 1 and self.dp_replicate_size == 1:

@@ -8,23 +8,18 @@ class-level Trainer methods are patched (`patches.py`), acting only for attached
 `detach(trainer)` undoes all of it and destroys the process groups SP created.
 """
 
-from hf_longctx.integrations.trainer.accelerator import attach, detach, sp_hidden
-from hf_longctx.integrations.trainer.patches import (
-    install_trainer_patches,
-    remove_trainer_patches,
-    takes_shifted_labels,
-)
-from hf_longctx.integrations.trainer.resume import UniversalCheckpointFix
-from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
+from hf_longctx._lazy import lazy_exports
 
-__all__ = [
-    "SequenceParallelState",
-    "UniversalCheckpointFix",
-    "attach",
-    "detach",
-    "install_trainer_patches",
-    "remove_trainer_patches",
-    "sp_hidden",
-    "sp_state",
-    "takes_shifted_labels",
-]
+_EXPORTS = {
+    "SequenceParallelState": "hf_longctx.integrations.trainer.state",
+    "UniversalCheckpointFix": "hf_longctx.integrations.trainer.resume",
+    "attach": "hf_longctx.integrations.trainer.accelerator",
+    "detach": "hf_longctx.integrations.trainer.accelerator",
+    "install_trainer_patches": "hf_longctx.integrations.trainer.patches",
+    "remove_trainer_patches": "hf_longctx.integrations.trainer.patches",
+    "sp_hidden": "hf_longctx.integrations.trainer.state",
+    "sp_state": "hf_longctx.integrations.trainer.state",
+    "takes_shifted_labels": "hf_longctx.integrations.trainer.patches",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -12,13 +12,11 @@ the accelerator is garbage collected, or at interpreter exit, whichever comes fi
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,31 +27,11 @@ from hf_longctx.distributed.groups import SequenceParallelGroups, validate_sp_si
 from hf_longctx.integrations.trainer.dataloader import prepare_data_loader
 from hf_longctx.integrations.trainer.metrics import gather_for_metrics
 from hf_longctx.integrations.trainer.patches import install_trainer_patches
-from hf_longctx.integrations.trainer.state import STATE_ATTR, SequenceParallelState, sp_state
+from hf_longctx.integrations.trainer.state import STATE_ATTR, SequenceParallelState, sp_hidden, sp_state
 from hf_longctx.memory.attach import attach_memory_flags, detach_memory_flags
 
 logger = logging.getLogger(__name__)
 EXIT_DRAIN_S = 0.1  # see _destroy_default_group_at_exit
-
-
-@contextlib.contextmanager
-def sp_hidden(config: Any) -> Iterator[None]:
-    """Show accelerate a config without SP: to it every rank is a data-parallel rank.
-
-    accelerate refuses `sp_size > 1` for any backend but its own while preparing DeepSpeed, and
-    its batch-size and mesh arithmetic would count SP ranks; gradients must be averaged over all
-    ranks anyway (`sequence_parallel_loss` semantics), which is what a pure-DP view gives.
-    """
-    sp_size = config.sp_size
-    config.sp_size = 1
-    if hasattr(config, "_sizes"):
-        config._sizes["sp"] = 1
-    try:
-        yield
-    finally:
-        config.sp_size = sp_size
-        if hasattr(config, "_sizes"):
-            config._sizes["sp"] = sp_size
 
 
 def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:

@@ -263,10 +263,9 @@ def _train_universally(trainer: Any, original: Callable[..., Any], checkpoint: s
 
 
 def _uses_hf_longctx(trainer: Any) -> bool:
-    from hf_longctx.config import ParallelismConfig
-
+    # Only hf_longctx's ParallelismConfig has `sp_upstream` (read by attribute: config.py imports this package).
     config = getattr(trainer.args, "parallelism_config", None)
-    return isinstance(config, ParallelismConfig) and not config.sp_upstream
+    return getattr(config, "sp_upstream", True) is False
 
 
 _RESUME_PATCH: list[Patch] = []

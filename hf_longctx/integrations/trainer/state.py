@@ -6,7 +6,8 @@ without importing the module that installs them (no import cycle inside the inte
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,3 +71,23 @@ def sp_state(trainer_or_accelerator: Any) -> SequenceParallelState | None:
     """The attached state of a Trainer's (or an Accelerator's) hf_longctx SP, or None."""
     accelerator = getattr(trainer_or_accelerator, "accelerator", trainer_or_accelerator)
     return getattr(accelerator, STATE_ATTR, None)
+
+
+@contextlib.contextmanager
+def sp_hidden(config: Any) -> Iterator[None]:
+    """Show accelerate a config without SP: to it every rank is a data-parallel rank.
+
+    accelerate refuses `sp_size > 1` for any backend but its own while preparing DeepSpeed, and
+    its batch-size and mesh arithmetic would count SP ranks; gradients must be averaged over all
+    ranks anyway (`sequence_parallel_loss` semantics), which is what a pure-DP view gives.
+    """
+    sp_size = config.sp_size
+    config.sp_size = 1
+    if hasattr(config, "_sizes"):
+        config._sizes["sp"] = 1
+    try:
+        yield
+    finally:
+        config.sp_size = sp_size
+        if hasattr(config, "_sizes"):
+            config._sizes["sp"] = sp_size

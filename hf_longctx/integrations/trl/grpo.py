@@ -27,8 +27,7 @@ from hf_longctx.data.consistency import shard_batch
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.comm import all_gather_object, all_gather_sequence, all_reduce_sum
 from hf_longctx.integrations.patching import Patch
-from hf_longctx.integrations.trainer.accelerator import sp_hidden
-from hf_longctx.integrations.trainer.state import SequenceParallelState, _unwrap
+from hf_longctx.integrations.trainer.state import SequenceParallelState, _unwrap, sp_hidden
 
 _HANDLE_ATTR = "_hf_longctx_sp_handle"
 # `_get_per_token_logps_and_entropies` keyword inputs of vision-language models: not sharded here.

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from hf_longctx.distributed.comm import all_reduce_max
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.integrations.patching import Patch
+from hf_longctx.integrations.trl.errors import UnsupportedSetup
 from hf_longctx.loss import _GroupSum
 
 
@@ -113,17 +114,15 @@ def setup_reward(trainer: Any, state: Any) -> None:
     """Switch a RewardTrainer's model to SP last-token pooling and its loss to SP-safe metrics (undone by detach).
 
     Raises:
-        NotImplementedError: the model is not a transformers sequence-classification model with a `score`
+        UnsupportedSetup: the model is not a transformers sequence-classification model with a `score`
             head, or it has no `pad_token_id`.
     """
-    from hf_longctx.integrations.trl.support import refuse
-
     model = trainer.model
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(getattr(model, "score", None), torch.nn.Module) or not hasattr(model, "base_model_prefix"):
-        raise refuse("RewardTrainer", f"{type(model).__name__} has no `score` head over the backbone's hidden states")
+        raise UnsupportedSetup(f"{type(model).__name__} has no `score` head over the backbone's hidden states")
     if model.config.get_text_config().pad_token_id is None:
-        raise refuse("RewardTrainer", "the model config has no pad_token_id, so its last real token is undefined")
+        raise UnsupportedSetup("the model config has no pad_token_id, so its last real token is undefined")
     patches = [
         Patch(model, "forward", _pooled_forward(model, state.groups)),
         Patch(trainer, "compute_loss", _compute_loss(trainer)),

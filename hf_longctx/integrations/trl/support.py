@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_longctx.integrations.trl.errors import UnsupportedSetup
+
 # A user's trainer built directly on these is judged like transformers' Trainer.
 _GENERIC = {"_BaseTrainer", "BaseTrainer"}
 
@@ -128,4 +130,7 @@ def check_trainer(trainer: Any, state: Any) -> None:
     """
     verdict = check_trainer_class(type(trainer))
     if verdict.setup is not None:
-        verdict.setup(trainer, state)
+        try:
+            verdict.setup(trainer, state)
+        except UnsupportedSetup as err:
+            raise refuse(trainer_verdict(type(trainer))[0], str(err)) from None
