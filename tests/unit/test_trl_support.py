@@ -61,3 +61,17 @@ def test_unknown_trl_trainer_is_refused_and_generic_base_is_not():
 
 def test_grpo_is_supported_through_its_setup():
     assert support.REGISTRY["GRPOTrainer"].supported and support.REGISTRY["GRPOTrainer"].setup is not None
+
+
+def test_plain_trainer_with_a_sequence_classification_model_is_refused():
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    model = type("LlamaForSequenceClassification", (), {})()
+    trainer = type("MyTrainer", (Trainer,), {"__init__": lambda self: None})()
+    trainer.model = model
+    with pytest.raises(NotImplementedError, match="^Trainer with LlamaForSequenceClassification is not supported"):
+        support.check_trainer(trainer, SimpleNamespace())
+    trainer.model = type("LlamaForCausalLM", (), {})()
+    support.check_trainer(trainer, SimpleNamespace())

@@ -129,6 +129,15 @@ def check_trainer(trainer: Any, state: Any) -> None:
         NotImplementedError: naming the trainer (or its unsupported option) and what works.
     """
     verdict = check_trainer_class(type(trainer))
+    model = getattr(trainer, "model", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if verdict.setup is None and type(base).__name__.endswith("ForSequenceClassification"):
+        # Its pooling reads each sequence's last token, which only one SP rank holds: every other rank would
+        # pool its own shard's last token, a silently wrong score. RewardTrainer's setup fetches it exactly.
+        raise refuse(
+            f"{trainer_verdict(type(trainer))[0]} with {type(base).__name__}",
+            "sequence classification pools the last token of the whole sequence",
+        )
     if verdict.setup is not None:
         try:
             verdict.setup(trainer, state)
