@@ -44,15 +44,15 @@ def _dataset(n: int = 8):
     return Dataset.from_list(rows)
 
 
-def _skew(trainer: Any) -> None:
-    """Make this rank's generated completions differ from its SP peer's (below the SP patch)."""
-    inner = trainer._generate_single_turn
+def _skewed(cls: type) -> type:
+    """A subclass whose generated completions differ from an SP peer's, below the SP patch (which
+    hf_longctx installs on the instance while the trainer is constructed)."""
 
-    def skewed(*args: Any, **kwargs: Any):
-        completion_ids, logprobs = inner(*args, **kwargs)
+    def _generate_single_turn(self, *args: Any, **kwargs: Any):
+        completion_ids, logprobs = cls._generate_single_turn(self, *args, **kwargs)
         return [ids[::-1] + [3] for ids in completion_ids], logprobs
 
-    trainer._generate_single_turn = skewed
+    return type(f"Skewed{cls.__name__}", (cls,), {"_generate_single_turn": _generate_single_turn})
 
 
 def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
@@ -79,15 +79,13 @@ def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
         parallelism_config=parallelism,
     )
     args = grpo_config(**{**fields, **overrides})
-    trainer = GRPOTrainer(
+    trainer = (_skewed(GRPOTrainer) if skew else GRPOTrainer)(
         model=tiny_model("llama"),
         reward_funcs=toy_reward,
         args=args,
         train_dataset=_dataset(),
         processing_class=tiny_tokenizer(),
     )
-    if skew:
-        _skew(trainer)
     return trainer
 
 

@@ -13,11 +13,11 @@ STEPS, LAYERS = 2, 2
 
 def _zero3_worker(rank: int, world_size: int) -> dict:
     from hf_longctx.instrument import record_collectives
-    from hf_longctx.memory import tiled_mlp
+    from hf_longctx.memory import tiled_mlp, tiling
     from hf_longctx.memory.tiled_mlp import enable_tiled_mlp
     from tests._models import tiny_model
 
-    tiled_mlp.MIN_TILE_TOKENS = 8  # tiles of max(hidden=64, 8) tokens: 2 tiles on rank 0, 4 on rank 1
+    tiling.MIN_TILE_TOKENS = 8  # tiles of max(hidden=64, 8) tokens: 2 tiles on rank 0, 4 on rank 1
     model = tiny_model("llama", layers=LAYERS)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     found, _ = tiled_mlp.find_tiled_mlps(model)
