@@ -168,7 +168,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         f"# Drift: {summary['steps']} optimizer steps at SP={meta['sp']} ({meta['date']})",
         "",
         f"`{meta['command']}`: tiny Llama ({meta['layers']} layers, GPT-2 vocabulary), {meta['seq_len']}-token "
-        f"windows (100 of them: the run crosses two epoch boundaries), batch 1, AdamW, Trainer + Ulysses "
+        f"windows ({meta.get('windows', 100)} of them: an epoch is as many steps), batch 1, AdamW, Trainer + Ulysses "
         f"SP={meta['sp']} on {meta['sp']} CPU processes (gloo, one thread each). Warm-up: the first "
         f"{summary['warmup']} steps; memory compares the first and the last {window} measured steps. Wall time "
         f"{meta['wall_s']:.0f} s (a shared 2-core machine: step times are noisy).",
@@ -215,12 +215,14 @@ def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> Non
     _results.line_plots(str(path), panels, cols=1, size=(8, 2.7), vline=warmup)
 
 
-def worker(rank: int, world: int, out_dir: str, steps: int, seq_len: int, sp: int) -> list[dict[str, float]]:
+def worker(
+    rank: int, world: int, out_dir: str, steps: int, seq_len: int, sp: int, windows: int = 100
+) -> list[dict[str, float]]:
     """This rank's samples (run in every rank of a `benchmarks._harness` job)."""
     import torch
 
     torch.set_num_threads(1)
-    model, data = default_model_and_data(seq_len)
+    model, data = default_model_and_data(seq_len, windows)
     return train(out_dir, model, data, steps=steps, sp=sp)
 
 
@@ -230,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--sp", type=int, default=2)
+    parser.add_argument("--windows", type=int, default=100, help="windows in the data: an epoch is this many steps")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--from-json", type=Path, help="re-render the table and plot from a saved run")
     args = parser.parse_args(argv)
@@ -242,14 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     with tempfile.TemporaryDirectory(prefix="bench-drift-") as tmp:
-        options = {"out_dir": tmp, "steps": args.steps, "seq_len": args.seq_len, "sp": args.sp}
+        options = {"out_dir": tmp, "steps": args.steps, "seq_len": args.seq_len, "sp": args.sp, "windows": args.windows}
         record = _harness.job("benchmarks.drift:worker", args.sp, max(1800, 10 * args.steps), Path(tmp), "drift",
                               env=env, **options)  # fmt: skip
     if record["status"] != "ok":
         raise SystemExit(f"drift job {record['status']}: {record['error']}")
     per_rank, wall = record["result"]["ranks"], record["wall_s"]
     command = "python -m benchmarks.drift" + ("" if args.steps == 300 else f" --steps {args.steps}")
-    meta = {"date": date, "sp": args.sp, "seq_len": args.seq_len, "layers": 2, "wall_s": wall, "command": command}
+    meta = {"date": date, "sp": args.sp, "seq_len": args.seq_len, "layers": 2, "wall_s": wall, "command": command,
+            "windows": args.windows}  # fmt: skip
     return write_results(per_rank, meta, args.warmup, args.out)
 
 

@@ -4,6 +4,7 @@
     python -m benchmarks.plan_validate --quick         # the calibration point and three others
     python -m benchmarks.plan_validate --flags         # also the memory-flag points (where the fields exist)
     python -m benchmarks.plan_validate --flags --only sp2-s8192-tiled-loss      # some points (+ calibration)
+    python -m benchmarks.plan_validate --points '[{"name": "a", "seq_len": 2048, "sp": 1}, ...]' --json r.json
     python -m benchmarks.plan_validate --flags --repredict results/X-plan-cpu.json --no-write   # no training
 
 Every point is one real optimizer step of a tiny random-init Llama (float32, sdpa or eager) through the
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flags", action="store_true", help="add the memory-flag points")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--only", help="comma-separated point names (the calibration point always runs first)")
+    parser.add_argument("--points", metavar="JSON", help="a JSON list of points to run instead (first = calibration)")
+    parser.add_argument("--json", metavar="PATH", type=Path, help="also write the report to this file")
     parser.add_argument(
         "--repredict", metavar="JSON", help="predict again from a results file's measurements (no training)"
     )
@@ -336,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown points {sorted(unknown)}; see GRID and FLAG_POINTS in this file")
         points = [CALIBRATION] + [p for p in GRID + FLAG_POINTS if p["name"] in names - {CALIBRATION["name"]}]
+    if args.points:
+        points = json.loads(args.points)
     measured = None
     if args.repredict:
         rows = json.loads(Path(args.repredict).read_text())["rows"]
@@ -350,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     measured = [r for r in report["rows"] if r.get("status") == "predicted"]
     worst = max((abs(r["rel_error"]) for r in measured), default=0.0)
     print(f"worst error over {len(measured)} predicted points: {100 * worst:.1f}% (tolerance {100 * TOLERANCE:.0f}%)")
+    if args.json:
+        args.json.write_text(json.dumps(report))
     if not args.no_write:
         _results.write(RESULTS / f"{datetime.date.today().isoformat()}-plan-cpu", report, to_markdown(report))
     return 0 if worst <= TOLERANCE else 1

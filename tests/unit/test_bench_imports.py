@@ -2,8 +2,8 @@
 benchmark's code as its own (a test that needs a benchmark runs it as a command).
 
 The only tests that import `benchmarks` are the unit tests of the benchmarks' pure functions (their subject is
-that code). `NOT_YET_MIGRATED` lists the tests that still borrow benchmark code as a library; it may only
-shrink: a listed file that no longer imports `benchmarks` fails here until it is removed from the list.
+that code); a test that needs a whole benchmark runs it as a command (`tests/dist/test_drift.py`,
+`tests/dist/test_planner_cpu.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ BENCHMARK_UNIT_TESTS = {
     "tests/unit/test_planner_published.py",
     "tests/unit/test_planner.py",
 }
-NOT_YET_MIGRATED = {"tests/dist/test_drift.py", "tests/dist/test_planner_cpu.py"}
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -43,8 +42,7 @@ def test_benchmarks_import_no_test_helper():
 
 def test_tests_do_not_use_benchmarks_as_a_library():
     importing = {name for name, roots in _files("tests").items() if "benchmarks" in roots}
-    assert importing - BENCHMARK_UNIT_TESTS - NOT_YET_MIGRATED == set()
-    assert NOT_YET_MIGRATED <= importing, "migrated: drop these from NOT_YET_MIGRATED"
+    assert importing - BENCHMARK_UNIT_TESTS == set()
 
 
 def test_the_walk_sees_imports_inside_functions(tmp_path):
