@@ -17,9 +17,10 @@ TILE_LOGITS = 2**24
 MIN_TILE_TOKENS = 4096
 
 
-def tile_tokens(vocab_size: int, tile_logits: int = TILE_LOGITS) -> int:
-    """Tokens per tile so that one tile holds at most `tile_logits` logits (at least one token)."""
-    return max(1, tile_logits // vocab_size)
+def tile_tokens(vocab_size: int, tile_logits: int | None = None) -> int:
+    """Tokens per tile so that one tile holds at most `tile_logits` logits (default: `TILE_LOGITS`, read
+    at call time so that a test can shrink it), at least one token."""
+    return max(1, (tile_logits or TILE_LOGITS) // vocab_size)
 
 
 def auto_tiles(tokens: int, hidden_size: int) -> int:

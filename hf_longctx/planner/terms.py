@@ -135,9 +135,10 @@ def loss_bytes(model: ModelShape, run: RunConfig, tokens: int, fused: bool) -> f
     Untiled (transformers' loss): logits in the compute dtype, their fp32 upcast and the fp32
     log-probabilities in forward; in backward the log-probabilities, the NLL gradient and the
     gradient of the logits, all fp32: 12 bytes per logit. Fused (Liger's fused linear
-    cross-entropy, which `tiled_loss` uses on CUDA when installed, and whenever Liger kernels are on):
-    the gradient of the hidden states, the LM head's gradient (+ one matmul temporary) and one chunk of
-    `next_pow2(T / ceil(V / h))` tokens' logits. hf_longctx's tiled loss (CPU, or no Liger): gradients
+    cross-entropy, `tiled_loss="liger"` or Liger kernels on; on GPUs the caller also uses this term for
+    `tiled_loss=True`, which keeps the same two gradients, with a tile of `2**24 / V` tokens in place of
+    Liger's chunk): the gradient of the hidden states, the LM head's gradient (+ one matmul temporary) and
+    one chunk of `next_pow2(T / ceil(V / h))` tokens' logits. hf_longctx's tiled loss (CPU): gradients
     computed in forward and kept to backward, `[T, h]` for the hidden states and an fp32 `[V, h]` for
     the weight, and one tile of `2**24 / V` tokens' fp32 logits (+ their cast to the compute dtype).
     """

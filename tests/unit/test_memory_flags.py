@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_longctx import ParallelismConfig
-from hf_longctx.memory import apply_memory_flags, lm_head, offload
+from hf_longctx.memory import apply_memory_flags, lm_head, offload, tiling
 from hf_longctx.memory.lm_head import LogitTransform, linear_cross_entropy_sum, linear_token_stats
 from hf_longctx.memory.tiled_mlp import auto_tiles, find_tiled_mlps
 from tests._models import tiny_model
@@ -36,7 +36,8 @@ ARCHS = [("llama", "sdpa"), ("gemma2", "eager"), ("deepseek_v3", "sdpa"), ("llam
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch):
     # 128-token vocab: 7 tokens per loss tile, so every test batch spans several tiles.
-    monkeypatch.setattr(lm_head, "TILE_LOGITS", 7 * 128)
+    monkeypatch.setattr(tiling, "TILE_LOGITS", 7 * 128)
+    assert lm_head.tile_tokens(128) == 7  # the function the loss paths call sees the patched size
 
 
 def _batch(shift: bool):
