@@ -12,26 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hf_longctx.data.sharding import IGNORE_INDEX
-from hf_longctx.distributed.comm import all_reduce_sum
+from hf_longctx.distributed.comm import all_reduce_sum, group_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
-
-
-class _GroupSum(torch.autograd.Function):
-    """Forward: the sum of `x` over the group. Backward: the incoming gradient times `grad_scale`.
-
-    The exact adjoint of an all-reduce would all-reduce P identical gradients, i.e. multiply by P;
-    a constant gives the same result without a collective in backward, and also lets the caller
-    pre-compensate the data-parallel engine's gradient average.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, grad_scale: float) -> torch.Tensor:
-        ctx.grad_scale = grad_scale
-        return all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.grad_scale, None, None
 
 
 def count_valid_tokens(shift_labels: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -89,6 +71,6 @@ def sequence_parallel_loss(
         denom = torch.as_tensor(num_items_in_batch, device=logits.device)
         # N already spans every DP rank: undo the engine's whole average over sp x dp ranks.
         grad_scale = groups.sp_world_size * groups.dp_world_size
-    total = _GroupSum.apply(local_sum, groups.sp_group, float(grad_scale))
+    total = group_sum(local_sum, groups.sp_group, grad_scale)
     # A batch without any valid label: 0 with a connected graph, never 0 / 0.
     return total / denom.clamp(min=1).to(total.dtype)

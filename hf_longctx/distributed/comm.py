@@ -153,6 +153,34 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     return _all_reduce(x, group, dist.ReduceOp.SUM)
 
 
+class _GroupSum(torch.autograd.Function):
+    """Forward: the sum of `x` over the group. Backward: the incoming gradient times `grad_scale`.
+
+    The exact adjoint of an all-reduce would all-reduce P identical gradients, i.e. multiply by P;
+    a constant gives the same result without a collective in backward, and also lets the caller
+    pre-compensate the data-parallel engine's gradient average.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, grad_scale: float) -> torch.Tensor:
+        ctx.grad_scale = grad_scale
+        return all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.grad_scale, None, None
+
+
+def group_sum(x: torch.Tensor, group: dist.ProcessGroup | None, grad_scale: float) -> torch.Tensor:
+    """Differentiable sum of `x` over `group` whose backward scales the gradient by `grad_scale`.
+
+    For a value every rank of the group then uses identically (a loss, a per-row score), the true
+    gradient of this rank's partial sum is P times the incoming one; pass `grad_scale=P` (times any
+    correction for the engine's average over data-parallel ranks).
+    """
+    return _GroupSum.apply(x, group, float(grad_scale))
+
+
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Elementwise maximum of `x` over `group`, out of place and without autograd."""
     return _all_reduce(x, group, dist.ReduceOp.MAX)

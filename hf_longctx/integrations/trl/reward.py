@@ -4,7 +4,7 @@ A sequence-classification model scores the rightmost token that is not padding. 
 a slice of each row, so the model's own pooling would pick each shard's last token. Here the backbone and
 the score head run on the shard, the global index of each row's last real token is agreed on with one
 max-reduction over the SP group (the shard's `position_ids` are global), and the score found there is
-summed over the group (`loss._GroupSum`: exact gradients after the engine's average over every rank). The
+summed over the group (`comm.group_sum`: exact gradients after the engine's average over every rank). The
 loss and metrics are then computed from full, identical scores on every SP rank.
 """
 
@@ -16,11 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hf_longctx.distributed.comm import all_reduce_max
+from hf_longctx.distributed.comm import all_reduce_max, group_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trl.errors import UnsupportedSetup
-from hf_longctx.loss import _GroupSum
 
 
 def last_token_scores(
@@ -48,7 +47,7 @@ def last_token_scores(
     # A row without any real token is scored at position 0, as transformers' argmax does.
     last = all_reduce_max(local_last, groups.sp_group).clamp(min=0)
     here = (positions == last.unsqueeze(-1)).to(logits.dtype).unsqueeze(-1)
-    return _GroupSum.apply((logits * here).sum(dim=1), groups.sp_group, float(groups.sp_world_size))
+    return group_sum((logits * here).sum(dim=1), groups.sp_group, groups.sp_world_size)
 
 
 def _pooled_forward(model: Any, groups: SequenceParallelGroups):
