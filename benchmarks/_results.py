@@ -29,7 +29,8 @@ def table(columns: Sequence[Column], rows: Sequence[dict[str, Any]], align: str 
 def run_line(meta: dict[str, Any]) -> str:
     """Command, wall time, runs and machine load: the first line of every results page."""
     return (
-        f"Command: `{meta['command']}`; {meta.get('runs_ok', '?')} runs ok, {meta.get('runs_failed', 0)} failed, "
+        f"Command: `{meta.get('command', '?')}`; {meta.get('runs_ok', '?')} runs ok, "
+        f"{meta.get('runs_failed', 0)} failed, "
         f"total {fmt(meta.get('total_wall_s'), '.0f')} s; load average {meta.get('load_start', '?')} at the start, "
         f"{meta.get('load_end', '?')} at the end ({meta.get('cpus', '?')} CPUs)."
     )

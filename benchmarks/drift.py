@@ -4,12 +4,12 @@
     python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look
     python -m benchmarks.drift --from-json benchmarks/results/<date>-drift.json   # re-render table and plot
 
-One `benchmarks._harness` job of SP ranks (`benchmarks.drift.worker`) trains the default tiny
+One `benchmarks._harness` job of SP ranks (`benchmarks.worker.run`) trains the default tiny
 Llama (2 layers, GPT-2 vocabulary) with the stock Trainer and Ulysses SP on short Shakespeare windows (256
-tokens, batch 1, AdamW; 100 windows, so 300 steps cross two epoch boundaries), logging every step;
-`DriftProbe` records on every rank, at the end of every optimizer step, the resident set size
-(`/proc/self/statm`), the number of OS threads (`/proc/self/status`), the number of live process groups and
-the step's wall time. The parent writes
+tokens, batch 1, AdamW; 100 windows, so 300 steps cross two epoch boundaries), logging every step; the
+worker's step recorder (`benchmarks._measure`) samples on every rank, at the end of every optimizer step, the
+resident set size (`/proc/self/statm`), the number of OS threads (`/proc/self/status`), the number of live
+process groups and the step's wall time. The parent writes
 `benchmarks/results/<date>-drift.{json,md,png}`; `summarize` holds the verdicts:
 
 - memory: the first vs the last window of (up to) 50 measured steps after the warm-up; the growth of the
@@ -23,96 +23,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import resource
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import _results
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = _results.RESULTS
 RSS_GROWTH_LIMIT = 0.01
-_PAGE = resource.getpagesize()
-
-
-def probe_sample() -> dict[str, float]:
-    """Resident MiB, OS threads and live process groups of this process, now."""
-    import torch.distributed as dist
-
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * _PAGE / 2**20
-    with open("/proc/self/status") as f:
-        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
-    groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
-    return {"rss_mib": rss, "threads": threads, "groups": groups}
-
-
-def make_probe() -> Any:
-    """A `TrainerCallback` that appends one sample per optimizer step to its `samples` list."""
-    from transformers import TrainerCallback
-
-    class DriftProbe(TrainerCallback):
-        def __init__(self) -> None:
-            self.samples: list[dict[str, float]] = []
-            self._start = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            step_s = time.perf_counter() - self._start
-            self.samples.append({"step": state.global_step, "step_s": step_s, **probe_sample()})
-
-    return DriftProbe()
-
-
-def default_model_and_data(seq_len: int, windows: int = 100) -> tuple[Any, Any]:
-    """The default tiny Llama (2 layers, GPT-2 vocabulary) and `windows` Shakespeare windows of `seq_len` tokens.
-
-    100 windows: a 300-step run crosses two epoch boundaries (a fresh sampler pass and loader iterator each).
-    """
-    from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama, window_dataset
-
-    tok = gpt2_tokenizer()
-    return tiny_llama(tok, num_hidden_layers=2), window_dataset(tok, seq_len, max_windows=windows)
-
-
-def train(out_dir: str, model: Any, data: Any, *, steps: int, sp: int) -> list[dict[str, float]]:
-    """Train `model` on `data` (rows of equal-length `input_ids`) for `steps` optimizer steps at `sp`, in a job
-    whose ranks are already launched; return the per-step samples."""
-    import torch
-    from transformers import Trainer, TrainingArguments
-
-    import hf_longctx
-
-    def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        ids = torch.tensor([r["input_ids"] for r in rows])
-        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
-    probe = make_probe()
-    args = TrainingArguments(
-        output_dir=out_dir,
-        use_cpu=True,
-        report_to=[],
-        disable_tqdm=True,
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        remove_unused_columns=False,
-        dataloader_drop_last=True,
-        seed=0,
-        parallelism_config=hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[probe])
-    trainer.train()
-    return probe.samples
 
 
 def summarize(per_rank: list[list[dict[str, float]]], warmup: int) -> dict[str, Any]:
@@ -189,9 +109,6 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         f"Verdicts: memory growth (median and floor) <= {100 * RSS_GROWTH_LIMIT:g}%: **{ok['memory']}**; constant "
         f"threads: **{ok['threads']}**; constant process groups: **{ok['groups']}**.",
-        "",
-        f"![drift]({meta['png']})",
-        "",
     ]
     return "\n".join(lines)
 
@@ -215,17 +132,6 @@ def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> Non
     _results.line_plots(str(path), panels, cols=1, size=(8, 2.7), vline=warmup)
 
 
-def worker(
-    rank: int, world: int, out_dir: str, steps: int, seq_len: int, sp: int, windows: int = 100
-) -> list[dict[str, float]]:
-    """This rank's samples (run in every rank of a `benchmarks._harness` job)."""
-    import torch
-
-    torch.set_num_threads(1)
-    model, data = default_model_and_data(seq_len, windows)
-    return train(out_dir, model, data, steps=steps, sp=sp)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -245,12 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     with tempfile.TemporaryDirectory(prefix="bench-drift-") as tmp:
-        options = {"out_dir": tmp, "steps": args.steps, "seq_len": args.seq_len, "sp": args.sp, "windows": args.windows}
-        record = _harness.job("benchmarks.drift:worker", args.sp, max(1800, 10 * args.steps), Path(tmp), "drift",
-                              env=env, **options)  # fmt: skip
+        spec = {"impl": "hf_longctx", "engine": "ddp", "sp": args.sp, "steps": args.steps, "seq_len": args.seq_len,
+                "data": "shakespeare", "windows": args.windows, "lr": 1e-3, "log": True, "threads": 1}  # fmt: skip
+        record = _harness.job("benchmarks.worker:run", args.sp, max(1800, 10 * args.steps), Path(tmp), "drift",
+                              env=env, spec=spec)  # fmt: skip
     if record["status"] != "ok":
         raise SystemExit(f"drift job {record['status']}: {record['error']}")
-    per_rank, wall = record["result"]["ranks"], record["wall_s"]
+    per_rank, wall = [r["steps"] for r in record["result"]["ranks"]], record["wall_s"]
     command = "python -m benchmarks.drift" + ("" if args.steps == 300 else f" --steps {args.steps}")
     meta = {"date": date, "sp": args.sp, "seq_len": args.seq_len, "layers": 2, "wall_s": wall, "command": command,
             "windows": args.windows}  # fmt: skip
@@ -260,12 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 def write_results(per_rank: list[list[dict[str, float]]], meta: dict[str, Any], warmup: int, out: Path) -> int:
     """Write `<date>-drift.{json,md,png}` into `out`, print the table; 0 if every verdict holds."""
     summary = summarize(per_rank, warmup)
-    png = out / f"{meta['date']}-drift.png"
-    plot(per_rank, warmup, png)
-    meta = {**meta, "png": png.name}
-    (out / f"{meta['date']}-drift.json").write_text(json.dumps({"meta": meta, "summary": summary, "samples": per_rank}))
-    (out / f"{meta['date']}-drift.md").write_text(markdown(summary, meta))
-    print(markdown(summary, meta))
+    prefix = out / f"{meta['date']}-drift"
+    plot(per_rank, warmup, Path(f"{prefix}.png"))
+    data = {"meta": meta, "summary": summary, "samples": per_rank}
+    _results.write(prefix, data, markdown(summary, meta), [f"{prefix}.png"])
     return 0 if all(summary["ok"].values()) else 1
 
 

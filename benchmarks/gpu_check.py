@@ -188,16 +188,14 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[bool, str]:
     return not bad, f"gpu_check: {'PASS' if not bad else 'FAIL'}: {line}"
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| kernel | dtype | SP | loss rel err | grad rel err | plain bf16/fp32 err (loss, grad) | status |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        plain = f"{r['plain_loss_rel_err']:.1e}, {r['plain_grad_rel_err']:.1e}" if "plain_loss_rel_err" in r else ""
-        errs = (
-            f"{r['loss_rel_err']:.1e} | {r['grad_rel_err']:.1e}" if "loss_rel_err" in r else f"{r.get('error', '')} |"
-        )
-        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['sp']} | {errs} | {plain} | {r['status']} |")
-    return "\n".join(lines)
+COLUMNS: list[_results.Column] = [
+    ("kernel", lambda r: r["kernel"]), ("dtype", lambda r: r["dtype"]), ("SP", lambda r: str(r["sp"])),
+    ("loss rel err", lambda r: f"{r['loss_rel_err']:.1e}" if "loss_rel_err" in r else r.get("error", "")),
+    ("grad rel err", lambda r: f"{r['grad_rel_err']:.1e}" if "grad_rel_err" in r else ""),
+    ("plain bf16/fp32 err (loss, grad)",
+     lambda r: f"{r['plain_loss_rel_err']:.1e}, {r['plain_grad_rel_err']:.1e}" if "plain_loss_rel_err" in r else ""),
+    ("status", lambda r: r["status"]),
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     meta = {"device": name, "torch": torch.__version__, "docs": DOCS, "logs": str(log_dir)}
     ok, line = verdict(rows)
-    md = f"# GPU check: {name}, torch {torch.__version__}\n\n{table(rows)}\n\n{line}\n"
+    table = "\n".join(_results.table(COLUMNS, rows, "---"))
+    md = f"# GPU check: {name}, torch {torch.__version__}\n\n{table}\n\n{line}\n"
     _results.write(prefix, {"meta": meta, "rows": rows, "passed": ok}, md)
     return 0 if ok else 1
 

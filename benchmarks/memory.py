@@ -4,7 +4,7 @@
     python -m benchmarks.memory --quick         # smoke: S=2K, one repeat, short ladder (a few minutes)
     python -m benchmarks.memory --from-json benchmarks/results/<date>-memory.json   # re-render only
 
-Every run is one `benchmarks._harness` job of 2 ranks running `benchmarks.memory_worker.run` (DeepSpeed ZeRO-1,
+Every run is one `benchmarks._harness` job of 2 ranks running `benchmarks.worker.run` (DeepSpeed ZeRO-1,
 gloo, fp32, sdpa, one thread per process), with a timeout; a failed run is recorded and the rest continue.
 Sections (tiny Llama: hidden 256, 2 layers, 8 query / 2 key-value heads of 32, MLP 1024):
 
@@ -54,11 +54,12 @@ SECTIONS = ("flags", "packed", "longest")
 
 
 def spec(variant: str, trainer: str, seq_len: int, vocab: int, steps: int, warmup: int, **extra: Any) -> dict:
+    """A `benchmarks.worker` spec (plus the section's labels): `steps` counts the warm-up."""
     impl, flags, checkpointing = VARIANTS[variant]
     model = dict(MODEL, vocab=vocab, max_positions=max(seq_len, 4096))
-    base = {"variant": variant, "impl": impl, "flags": flags, "checkpointing": checkpointing, "trainer": trainer}
-    base.update(sp=2, seq_len=seq_len)
-    base.update(warmup=warmup, steps=steps, attn="sdpa", dtype="fp32", data="random", threads=1, model=model)
+    base = {"variant": variant, "impl": impl, "sp_options": flags, "gradient_checkpointing": checkpointing}
+    base.update(trainer=trainer, sp=2, seq_len=seq_len, warmup=warmup, steps=warmup + steps, log=True)
+    base.update(attn="sdpa", dtype="fp32", data="random", threads=1, model=model)
     return {**base, **extra}
 
 
@@ -74,9 +75,7 @@ def run_all(args: argparse.Namespace, session: _harness.Session) -> list[dict[st
     def go(job: dict[str, Any]) -> dict[str, Any]:
         label = f"{job['section']} {job['variant']} {job['trainer']} S={job['seq_len']}"
         worker_spec = {k: v for k, v in job.items() if k not in ("variant", "section", "rep")}
-        return session.run(
-            job, label, "benchmarks.memory_worker:run", job["sp"], args.timeout, env=env, spec=worker_spec
-        )
+        return session.run(job, label, "benchmarks.worker:run", job["sp"], args.timeout, env=env, spec=worker_spec)
 
     seq, steps, warmup = args.seq_len, args.steps, 1
     order = ["off", "ckpt", "flags", "upstream"]
@@ -87,7 +86,7 @@ def run_all(args: argparse.Namespace, session: _harness.Session) -> list[dict[st
     packed_order = ["off", "loss", "flags", "upstream"]
     for rep in range(args.repeats if "packed" in args.sections else 0):  # section 2
         for variant in packed_order if rep % 2 == 0 else packed_order[::-1]:
-            extra = {"data": "packed", "doc_len": args.doc_len}
+            extra = {"data": "packed", "doc_len": args.doc_len, "reference_loss": True}
             go(dict(spec(variant, "trainer", seq, K, steps, warmup, **extra), section="packed", rep=rep))
     if "longest" not in args.sections:
         return session.records

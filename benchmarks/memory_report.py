@@ -11,7 +11,7 @@ import statistics
 from typing import Any
 
 from benchmarks import _results
-from benchmarks._harness import median, ratio
+from benchmarks._harness import median, ratio, slowest_rank_median
 
 GiB = 2**30
 TARGETS = {
@@ -30,11 +30,9 @@ def run_numbers(record: dict[str, Any]) -> dict[str, Any] | None:
         return None
     ranks = record["result"]["ranks"]
     warmup = record["spec"]["warmup"]
-    measured = range(warmup, len(ranks[0]["steps"]))
-    per_step = [max(r["steps"][i]["step_s"] for r in ranks) for i in measured]
-    cpu = [max(r["steps"][i].get("cpu_s", 0.0) for r in ranks) for i in measured]
+    cpu = [max(r["steps"][i].get("cpu_s", 0.0) for r in ranks) for i in range(warmup, len(ranks[0]["steps"]))]
     return {
-        "step_s": statistics.median(per_step) if per_step else None,
+        "step_s": slowest_rank_median(ranks, "step_s", warmup),
         "cpu_s": statistics.median(cpu) if cpu and all(cpu) else None,
         "peak_gib": max(r["process_peak_bytes"] for r in ranks) / GiB,
         "first_loss": ranks[0]["first_loss"],
@@ -110,8 +108,27 @@ def _verdict(name: str, value: float | None) -> str:
     return f"{value:.4f} (target {sign} {target}: {'reached' if ok else 'NOT reached'})"
 
 
+_NAMES = {"off": "hf_longctx", "loss": "hf_longctx, tiled_loss", "flags": "hf_longctx, flags"}
+_TIMES: list[_results.Column] = [("step s (wall)", lambda c: _f(c["step_s"])),
+                                 ("step s (CPU)", lambda c: _f(c["cpu_s"]))]  # fmt: skip
+FLAG_COLUMNS: list[_results.Column] = [("trainer", lambda c: c["trainer"]), ("variant", lambda c: c["variant"]),
+    ("peak GiB / rank", lambda c: _f(c["peak_gib"], ".3f")), *_TIMES, ("runs", lambda c: str(c["runs"]))]  # fmt: skip
+PACKED_COLUMNS: list[_results.Column] = [("variant", lambda c: _NAMES.get(c["variant"], c["variant"])),
+    ("peak GiB / rank", lambda c: _f(c["peak_gib"], ".3f")), *_TIMES,
+    ("first-step loss", lambda c: _f(c["first_loss"], ".6f")),
+    ("per-document reference loss", lambda c: _f(c["reference_loss"], ".6f"))]  # fmt: skip
+LADDER_COLUMNS: list[_results.Column] = [("variant", lambda r: r["variant"]), ("S", lambda r: str(r["seq_len"])),
+    ("peak GiB / rank", lambda r: _f(r["peak_gib"], ".3f")),
+    ("fits", lambda r: "yes" if r["fits"] else "no")]  # fmt: skip
+
+
 def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
-    args = meta["args"]
+    args, cells = meta["args"], summary["cells"]
+
+    def rows(section: str, trainers: tuple[str, ...], variants: tuple[str, ...]) -> list[dict[str, Any]]:
+        found = [(t, v, cells.get((section, t, v))) for t in trainers for v in variants]
+        return [{**c, "trainer": t, "variant": v} for t, v, c in found if c]
+
     lines = [
         f"# Memory benchmark, CPU ({meta['date']})",
         "",
@@ -123,56 +140,21 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         "",
         f"## Flags on vs off vs upstream: S = {args['seq_len']}, vocabulary 32,768",
         "",
-        "| trainer | variant | peak GiB / rank | step s (wall) | step s (CPU) | runs |",
-        "|---|---|---:|---:|---:|---:|",
+        *_results.table(FLAG_COLUMNS, rows("flags", ("trainer", "sft"), ("off", "ckpt", "flags", "upstream"))),
     ]
-    cells = summary["cells"]
-    for trainer in ("trainer", "sft"):
-        for variant in ("off", "ckpt", "flags", "upstream"):
-            c = cells.get(("flags", trainer, variant))
-            if c:
-                times = f"{_f(c['step_s'])} | {_f(c['cpu_s'])}"
-                lines.append(f"| {trainer} | {variant} | {_f(c['peak_gib'], '.3f')} | {times} | {c['runs']} |")
-    variants = ("off", "loss", "flags", "upstream")
-    packed = [(v, cells[("packed", "trainer", v)]) for v in variants if ("packed", "trainer", v) in cells]
+    packed = rows("packed", ("trainer",), ("off", "loss", "flags", "upstream"))
     if packed:
-        lines += [
-            "",
-            f"## Packed rows: {args['seq_len'] // args['doc_len']} documents x {args['doc_len']} tokens, "
-            "vocabulary 1,024",
-            "",
-            "| variant | peak GiB / rank | step s (wall) | step s (CPU) | first-step loss "
-            "| per-document reference loss |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-    for variant, c in packed:
-        if c:
-            name = {"off": "hf_longctx", "loss": "hf_longctx, tiled_loss", "flags": "hf_longctx, flags"}.get(
-                variant, variant
-            )
-            lines.append(
-                f"| {name} | {_f(c['peak_gib'], '.3f')} | {_f(c['step_s'])} | {_f(c['cpu_s'])} | "
-                f"{_f(c['first_loss'], '.6f')} | {_f(c['reference_loss'], '.6f')} |"
-            )
+        docs = f"{args['seq_len'] // args['doc_len']} documents x {args['doc_len']} tokens"
+        lines += ["", f"## Packed rows: {docs}, vocabulary 1,024", "", *_results.table(PACKED_COLUMNS, packed)]
     if summary["ladder"]:
-        lines += [
-            "",
-            f"## Longest row that trains one step within {args['budget_gib']} GiB per rank (vocabulary 32,768)",
-            "",
-            "| variant | S | peak GiB / rank | fits |",
-            "|---|---:|---:|---|",
-        ]
-        for r in summary["ladder"]:
-            fits = "yes" if r["fits"] else "no"
-            lines.append(f"| {r['variant']} | {r['seq_len']} | {_f(r['peak_gib'], '.3f')} | {fits} |")
-        longest = summary["longest"]
+        budget, longest = args["budget_gib"], summary["longest"]
+        lines += ["", f"## Longest row that trains one step within {budget} GiB per rank (vocabulary 32,768)", ""]
+        lines += _results.table(LADDER_COLUMNS, summary["ladder"])
         lines += ["", f"Longest: upstream {longest['upstream']}, hf_longctx with flags {longest['flags']}"]
         lines.append(f"(hf_longctx tried up to {args['max_seq']}).")
     lines += ["", "## Targets", ""]
     lines += ["Time ratios are given on wall time and on process CPU time (the robust one on a shared machine).", ""]
-    for name, value in summary["ratios"].items():
-        if value is not None:
-            lines.append(f"- {name}: {_verdict(name, value)}")
+    lines += [f"- {name}: {_verdict(name, value)}" for name, value in summary["ratios"].items() if value is not None]
     if summary["failures"]:
         lines += ["", "Failed runs: " + "; ".join(summary["failures"])]
     return "\n".join(lines) + "\n"

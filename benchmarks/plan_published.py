@@ -41,13 +41,16 @@ OOM_FACTOR = 1.5
 _HF_SP4 = {"world": 4, "sp": 4, "engine": "zero3", "gradient_checkpointing": True}
 _HF_1GPU = {"engine": "zero3", "gradient_checkpointing": True}
 _ALST_FEATURES = {"liger_kernels": True, "tiled_loss": True, "tiled_mlp": True, "offload_activations": True}
+_LIGER, _OFFLOAD = {"liger_kernels": True}, {"offload_activations": True}
+L8B = "llama3.1-8b"
 
 
-def _alst_base(world: int = 1, sp: int = 1) -> dict[str, Any]:
+def _alst(world: int = 1, sp: int = 1, **features: bool) -> dict[str, Any]:
+    """ALST's recipe at `world` GPUs (`sp` of them one SP group) with the given features on."""
     run = {"world": world, "sp": sp, "engine": "zero3", "offload_optimizer": True, "gradient_checkpointing": True}
     if world == 1:
         run["offload_params"] = True
-    return run
+    return {**run, **features}
 
 
 @dataclass(frozen=True)
@@ -81,49 +84,25 @@ POINTS: list[PublishedPoint] = [
     PublishedPoint(HF, "4xH100 SP=4 ZeRO-3", "qwen3-4b", "h100", 131072, _HF_SP4, False, None, "reported OOM"),
     PublishedPoint(HF, "1xH100 baseline ZeRO-3", "qwen3-4b", "h100", 8192, _HF_1GPU, True, 76.4),
     # ALST baselines (no Liger, no tiling, no offloaded activations).
-    PublishedPoint(ALST, "1xH100 baseline", "llama3.1-8b", "h100", 32000, _alst_base(), True, 71.91),
-    *_max_pair(ALST, "1xH100 baseline", "llama3.1-8b", "h100", 36000, _alst_base()),
-    *_max_pair(ALST, "8xH100 baseline (DP=8)", "llama3.1-8b", "h100", 32000, _alst_base(8)),
-    *_max_pair(ALST, "32xH100 baseline (DP=32)", "llama3.1-8b", "h100", 36000, _alst_base(32)),
+    PublishedPoint(ALST, "1xH100 baseline", L8B, "h100", 32000, _alst(), True, 71.91),
+    *_max_pair(ALST, "1xH100 baseline", L8B, "h100", 36000, _alst()),
+    *_max_pair(ALST, "8xH100 baseline (DP=8)", L8B, "h100", 32000, _alst(8)),
+    *_max_pair(ALST, "32xH100 baseline (DP=32)", L8B, "h100", 36000, _alst(32)),
     # ALST with every feature.
-    *_max_pair(ALST, "1xH100 ALST", "llama3.1-8b", "h100", 500_000, {**_alst_base(), **_ALST_FEATURES}),
-    *_max_pair(ALST, "8xH100 ALST SP=8", "llama3.1-8b", "h100", 3_700_000, {**_alst_base(8, 8), **_ALST_FEATURES}),
-    *_max_pair(ALST, "16xH100 ALST SP=16", "llama3.1-8b", "h100", 8_000_000, {**_alst_base(16, 16), **_ALST_FEATURES}),
-    *_max_pair(ALST, "32xH100 ALST SP=32", "llama3.1-8b", "h100", 15_000_000, {**_alst_base(32, 32), **_ALST_FEATURES}),
+    *_max_pair(ALST, "1xH100 ALST", L8B, "h100", 500_000, _alst(**_ALST_FEATURES)),
+    *_max_pair(ALST, "8xH100 ALST SP=8", L8B, "h100", 3_700_000, _alst(8, 8, **_ALST_FEATURES)),
+    *_max_pair(ALST, "16xH100 ALST SP=16", L8B, "h100", 8_000_000, _alst(16, 16, **_ALST_FEATURES)),
+    *_max_pair(ALST, "32xH100 ALST SP=32", L8B, "h100", 15_000_000, _alst(32, 32, **_ALST_FEATURES)),
     # ALST on one H200: baseline, Liger, + activation offload, + tiled MLP.
-    *_max_pair(ALST, "1xH200 baseline", "llama3.1-8b", "h200", 65_000, _alst_base(), 137.36),
-    *_max_pair(ALST, "1xH200 Liger", "llama3.1-8b", "h200", 300_000, {**_alst_base(), "liger_kernels": True}, 134.96),
-    *_max_pair(
-        ALST,
-        "1xH200 Liger + act. offload",
-        "llama3.1-8b",
-        "h200",
-        650_000,
-        {**_alst_base(), "liger_kernels": True, "offload_activations": True},
-        126.81,
-    ),
-    *_max_pair(ALST, "1xH200 ALST", "llama3.1-8b", "h200", 1_200_000, {**_alst_base(), **_ALST_FEATURES}, 136.15),
+    *_max_pair(ALST, "1xH200 baseline", L8B, "h200", 65_000, _alst(), 137.36),
+    *_max_pair(ALST, "1xH200 Liger", L8B, "h200", 300_000, _alst(**_LIGER), 134.96),
+    *_max_pair(ALST, "1xH200 Liger + act. offload", L8B, "h200", 650_000, _alst(**_LIGER, **_OFFLOAD), 126.81),
+    *_max_pair(ALST, "1xH200 ALST", L8B, "h200", 1_200_000, _alst(**_ALST_FEATURES), 136.15),
     # ALST feature ablation on 8xH100.
-    *_max_pair(ALST, "8xH100 DP=8 + Liger", "llama3.1-8b", "h100", 160_000, {**_alst_base(8), "liger_kernels": True}),
-    *_max_pair(
-        ALST, "8xH100 SP=8 + Liger", "llama3.1-8b", "h100", 1_100_000, {**_alst_base(8, 8), "liger_kernels": True}
-    ),
-    *_max_pair(
-        ALST,
-        "8xH100 SP=8 + Liger + tiled MLP",
-        "llama3.1-8b",
-        "h100",
-        1_200_000,
-        {**_alst_base(8, 8), "liger_kernels": True, "tiled_mlp": True},
-    ),
-    *_max_pair(
-        ALST,
-        "8xH100 SP=8 + Liger + act. offload",
-        "llama3.1-8b",
-        "h100",
-        2_400_000,
-        {**_alst_base(8, 8), "liger_kernels": True, "offload_activations": True},
-    ),
+    *_max_pair(ALST, "8xH100 DP=8 + Liger", L8B, "h100", 160_000, _alst(8, **_LIGER)),
+    *_max_pair(ALST, "8xH100 SP=8 + Liger", L8B, "h100", 1_100_000, _alst(8, 8, **_LIGER)),
+    *_max_pair(ALST, "8xH100 SP=8 + Liger + tiled MLP", L8B, "h100", 1_200_000, _alst(8, 8, **_LIGER, tiled_mlp=True)),
+    *_max_pair(ALST, "8xH100 SP=8 + Liger + act. offload", L8B, "h100", 2_400_000, _alst(8, 8, **_LIGER, **_OFFLOAD)),
 ]
 
 

@@ -7,12 +7,12 @@
     python -m benchmarks.plan_validate --points '[{"name": "a", "seq_len": 2048, "sp": 1}, ...]' --json r.json
     python -m benchmarks.plan_validate --flags --repredict results/X-plan-cpu.json --no-write   # no training
 
-Every point is one real optimizer step of a tiny random-init Llama (float32, sdpa or eager) through the
+Every point is `STEPS` real optimizer steps of a tiny random-init Llama (float32, sdpa or eager) through the
 stock `transformers.Trainer` (AdamW, DDP on gloo for SP = 2, hf_longctx SP through
-`parallelism_config=hf_longctx.ParallelismConfig(...)`), in fresh spawned processes (`tests/_dist.py`).
+`parallelism_config=hf_longctx.ParallelismConfig(...)`), in a fresh `benchmarks._harness` job (`worker.run`).
 Each rank measures its peak resident memory from just before the model is built to the end of
 `trainer.train()` (the kernel's high-water mark `VmHWM`, reset at that start through `/proc/self/clear_refs`;
-`benchmarks.worker.StepMemory`), minus the resident memory at that start: the model, its gradients, the
+`benchmarks._measure.StepMemory`), minus the resident memory at that start: the model, its gradients, the
 AdamW states, the step's activations and every runtime buffer. A sampling thread would miss peaks that
 last less than its interval: with the memory flags the peak is one MLP tile's backward, a few ms long.
 
@@ -43,23 +43,12 @@ TOLERANCE = 0.10
 # Three optimizer steps: from the second on AdamW's states exist, and with gradient checkpointing the
 # per-step peak settles only at the third (measured: 287, 356, 386, 387, 391 MiB over five steps).
 STEPS = 3
-# glibc caches freed heap blocks of up to 32 MiB (its dynamic mmap threshold) in the resident set; with
-# the threshold fixed at 64 KiB every tensor above it goes back to the OS when freed, so RSS follows the
-# live tensors, as `torch.cuda.max_memory_allocated` does on GPU (see docs/planner.md).
-FLAG_FIELDS = ("tiled_loss", "tiled_mlp", "offload_activations")
 
 # Tiny Llama: 8 query / 2 key-value heads of 32 (GQA, both SP sizes divide the heads), hidden 256,
 # intermediate 1024, vocabulary 8192, 4 layers: about 8M parameters (100 MiB of model state with AdamW),
 # so activations and logits dominate from S = 2K on while one step stays a few seconds.
-MODEL = {
-    "vocab_size": 8192,
-    "hidden_size": 256,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-}
+MODEL = {"arch": "llama", "vocab": 8192, "hidden": 256, "intermediate": 1024, "layers": 4, "heads": 8, "kv_heads": 2,
+         "head_dim": 32}  # fmt: skip
 
 CALIBRATION = {"name": "sp1-s2048", "seq_len": 2048, "sp": 1}
 GRID = [
@@ -68,54 +57,34 @@ GRID = [
     {"name": "sp1-s8192", "seq_len": 8192, "sp": 1},
     {"name": "sp1-s4096-gc", "seq_len": 4096, "sp": 1, "gradient_checkpointing": True},
     {"name": "sp1-s8192-gc", "seq_len": 8192, "sp": 1, "gradient_checkpointing": True},
-    {"name": "sp1-s4096-vocab32k", "seq_len": 4096, "sp": 1, "model": {"vocab_size": 32768}},
+    {"name": "sp1-s4096-vocab32k", "seq_len": 4096, "sp": 1, "model": {"vocab": 32768}},
     {"name": "sp1-s2048-eager", "seq_len": 2048, "sp": 1, "attn": "eager"},
     {"name": "sp2-s4096", "seq_len": 4096, "sp": 2},
     {"name": "sp2-s8192", "seq_len": 8192, "sp": 2},
     {"name": "sp2-s16384", "seq_len": 16384, "sp": 2},
     {"name": "sp2-s8192-gc", "seq_len": 8192, "sp": 2, "gradient_checkpointing": True},
     {"name": "sp2-s16384-gc", "seq_len": 16384, "sp": 2, "gradient_checkpointing": True},
-    {"name": "sp2-s8192-vocab32k", "seq_len": 8192, "sp": 2, "model": {"vocab_size": 32768}},
+    {"name": "sp2-s8192-vocab32k", "seq_len": 8192, "sp": 2, "model": {"vocab": 32768}},
     {"name": "sp2-s2048-eager", "seq_len": 2048, "sp": 2, "attn": "eager"},
 ]
 QUICK = [CALIBRATION, GRID[1], GRID[3], GRID[7]]
+ALL_FLAGS = {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True}
 FLAG_POINTS = [
     {"name": "sp2-s8192-tiled-loss", "seq_len": 8192, "sp": 2, "flags": {"tiled_loss": True}},
-    {
-        "name": "sp2-s8192-vocab32k-tiled-loss",
-        "seq_len": 8192,
-        "sp": 2,
-        "model": {"vocab_size": 32768},
-        "flags": {"tiled_loss": True},
-    },
+    {"name": "sp2-s8192-vocab32k-tiled-loss", "seq_len": 8192, "sp": 2, "model": {"vocab": 32768},
+     "flags": {"tiled_loss": True}},
     # 4,096 tokens per rank: tiled_mlp=True would run one tile (the MLP as is), so a count is given.
     {"name": "sp2-s8192-tiled-mlp4", "seq_len": 8192, "sp": 2, "flags": {"tiled_mlp": 4}},
     {"name": "sp2-s16384-tiled-mlp", "seq_len": 16384, "sp": 2, "flags": {"tiled_mlp": True}},
-    {
-        "name": "sp2-s8192-gc-all-flags",
-        "seq_len": 8192,
-        "sp": 2,
-        "gradient_checkpointing": True,
-        "flags": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
-    },
-    {
-        "name": "sp2-s16384-all-flags",
-        "seq_len": 16384,
-        "sp": 2,
-        "flags": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
-    },
-    {
-        "name": "sp1-s8192-all-flags",
-        "seq_len": 8192,
-        "sp": 1,
-        "flags": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
-    },
-]
+    {"name": "sp2-s8192-gc-all-flags", "seq_len": 8192, "sp": 2, "gradient_checkpointing": True, "flags": ALL_FLAGS},
+    {"name": "sp2-s16384-all-flags", "seq_len": 16384, "sp": 2, "flags": ALL_FLAGS},
+    {"name": "sp1-s8192-all-flags", "seq_len": 8192, "sp": 1, "flags": ALL_FLAGS},
+]  # fmt: skip
 
 
 def model_config(point: dict[str, Any]) -> dict[str, Any]:
-    """The point's `LlamaConfig` keyword arguments (the grid's model plus its overrides)."""
-    return {**MODEL, **point.get("model", {})}
+    """The point's model as a `benchmarks.worker` spec (the grid's model plus its overrides)."""
+    return {**MODEL, **point.get("model", {}), "max_positions": point["seq_len"]}
 
 
 def world_of(point: dict[str, Any]) -> int:
@@ -151,7 +120,8 @@ def predict(point: dict[str, Any], runtime_gib: float):
     from hf_longctx.planner import DEVICES, estimate
     from hf_longctx.planner.model_shape import ModelShape
 
-    shape = ModelShape.from_config({"model_type": "llama", **model_config(point)}, name="tiny-llama")
+    fields = {f.name for f in dataclasses.fields(ModelShape)}
+    shape = ModelShape(name="tiny-llama", **{k: v for k, v in model_config(point).items() if k in fields})
     device = dataclasses.replace(DEVICES["cpu"], runtime_gib=runtime_gib, capacity_gib=1e9)
     return estimate(shape, run_config(point), device)
 
@@ -164,90 +134,29 @@ def missing_flags(point: dict[str, Any]) -> list[str]:
     return [k for k in point.get("flags", {}) if k not in names]
 
 
-def step_worker(rank: int, world_size: int, point: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    """`STEPS` optimizer steps of the point's model through `Trainer`; this rank's peak RSS growth (bytes)."""
-    import gc
-
-    import datasets
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator
-
-    import hf_longctx
-    from benchmarks.worker import StepMemory
-
-    seq_len = point["seq_len"]
-    vocab = model_config(point)["vocab_size"]
-    rows_per_step = world_size // point["sp"]  # data-parallel ranks each read a row per step
-    ids = torch.randint(0, vocab, (STEPS * rows_per_step, seq_len), generator=torch.Generator().manual_seed(0))
-    rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    flags = point.get("flags", {})
-    parallelism = hf_longctx.ParallelismConfig(sp_size=point["sp"], **flags) if point["sp"] > 1 or flags else None
-    if world_size == 1:
-        # A single process, as the planner's `--world 1` means: no process group, so no DDP wrapper and no
-        # DDP gradient buckets (accelerate wraps even one rank in DDP when a process group exists).
-        torch.distributed.destroy_process_group()
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
-    gc.collect()
-    memory = StepMemory(cuda=False)
-    start = memory.begin()
-    try:
-        config = LlamaConfig(
-            **model_config(point),
-            max_position_embeddings=seq_len,
-            tie_word_embeddings=False,
-            use_cache=False,
-            attn_implementation=point.get("attn", "sdpa"),
-        )
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).float().train()
-        args = TrainingArguments(
-            output_dir=out_dir,
-            use_cpu=True,
-            report_to=[],
-            disable_tqdm=True,
-            per_device_train_batch_size=1,
-            max_steps=STEPS,
-            optim="adamw_torch",
-            learning_rate=1e-4,
-            logging_steps=1,
-            save_strategy="no",
-            remove_unused_columns=False,
-            gradient_checkpointing=point.get("gradient_checkpointing", False),
-            parallelism_config=parallelism,
-        )
-        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
-        output = trainer.train()
-    finally:
-        peak = memory.end()
-    wrapper = type(trainer.model_wrapped).__name__
-    return {"peak_bytes": peak - start, "loss": output.training_loss, "method": memory.method, "wrapper": wrapper}
-
-
-def gib_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The peak over ranks and each rank's, in GiB."""
-    per_rank = [r["peak_bytes"] / 2**30 for r in ranks]
-    first = ranks[0]
-    return {
-        "measured_gib": max(per_rank),
-        "per_rank_gib": per_rank,
-        "wrapper": first.get("wrapper"),
-        "method": first.get("method"),
-    }
+def worker_spec(point: dict[str, Any]) -> dict[str, Any]:
+    """The `benchmarks.worker` spec of a point: `STEPS` optimizer steps, stock Trainer, DDP (one rank: none)."""
+    return {"impl": "hf_longctx", "engine": "ddp", "sp": point["sp"], "sp_options": point.get("flags", {}),
+            "seq_len": point["seq_len"], "steps": STEPS, "log": True, "attn": point.get("attn", "sdpa"),
+            "dtype": "fp32", "gradient_checkpointing": point.get("gradient_checkpointing", False),
+            "model": model_config(point)}  # fmt: skip
 
 
 def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-    """Run a point in a fresh `benchmarks._harness` job (one gloo rank per process, glibc's threshold fixed)."""
+    """Run a point in a fresh `benchmarks._harness` job (one thread per rank, glibc's threshold fixed); the
+    peak over ranks of the resident growth from just before the model is built, and each rank's, in GiB."""
     from benchmarks import _harness
 
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **_harness.MALLOC_ENV}
     with tempfile.TemporaryDirectory(prefix="hf_longctx_plan_") as out_dir:
-        kwargs = {"point": point, "out_dir": out_dir, "init_backend": "gloo"}
-        record = _harness.job("benchmarks.plan_validate:step_worker", world_of(point), timeout, Path(out_dir),
-                              point["name"], env=env, **kwargs)  # fmt: skip
+        record = _harness.job("benchmarks.worker:run", world_of(point), timeout, Path(out_dir), point["name"],
+                              env=env, spec=worker_spec(point))  # fmt: skip
     if record["status"] != "ok":
         raise RuntimeError(f"{point['name']}: {record['status']} {record['error'][-800:]}")
-    return gib_over_ranks(record["result"]["ranks"])
+    ranks = record["result"]["ranks"]
+    per_rank = [r["run_peak_bytes"] / 2**30 for r in ranks]
+    return {"measured_gib": max(per_rank), "per_rank_gib": per_rank, "wrapper": ranks[0]["wrapper"],
+            "method": ranks[0]["memory_method"]}  # fmt: skip
 
 
 def calibrate(measured_gib: float, point: dict[str, Any]) -> float:

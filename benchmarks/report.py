@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from benchmarks import _results
-from benchmarks._harness import median, ratio
+from benchmarks._harness import median, ratio, slowest_rank_median
 from benchmarks._results import Column, MiB
 from benchmarks._results import fmt as _fmt
 from benchmarks._results import seq as _seq
@@ -28,27 +28,10 @@ from hf_longctx.instrument import ulysses_min_bytes
 IMPLS = ("hf_longctx", "upstream")
 BASELINE = "none"  # the SP=1 run
 ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Run-level metrics: (key, how ranks are combined, unit for the table)
-METRICS = (
-    "step_s",
-    "iter_s",
-    "act_bytes",
-    "mem_before",
-    "process_peak_bytes",
-    "a2a_bytes",
-    "a2a_calls",
-    "a2a_s",
-    "a2a_s_min",
-    "a2a_s_max",
-    "hf_a2a_bytes",
-    "other_comm_bytes",
-    "other_comm_s",
-    "ops_attention_s",
-    "ops_matmul_s",
-    "ops_communication_s",
-    "ops_other_s",
-    "ops_total_s",
-)
+# Run-level metrics (see `run_summary` for how ranks are combined)
+METRICS = ("step_s", "iter_s", "act_bytes", "mem_before", "process_peak_bytes", "a2a_bytes", "a2a_calls", "a2a_s",
+           "a2a_s_min", "a2a_s_max", "hf_a2a_bytes", "other_comm_bytes", "other_comm_s", "ops_attention_s",
+           "ops_matmul_s", "ops_communication_s", "ops_other_s", "ops_total_s")  # fmt: skip
 OP_CATEGORIES = ("attention", "matmul", "communication", "other")
 # Kernel ops both implementations run on identical shapes (the model's own math).
 _ATTENTION_OPS = ("scaleddotproduct", "flashattention", "flashattn", "efficientattention", "flexattention")
@@ -133,9 +116,8 @@ def run_summary(result: dict[str, Any], warmup: int) -> dict[str, float | None]:
     }
     return {
         **ops,
-        # a step ends when its slowest rank ends
-        "step_s": median(max(steps[k]["step_s"] for steps in measured) for k in range(n)),
-        "iter_s": median(max(steps[k]["iter_s"] for steps in measured) for k in range(n)),
+        "step_s": slowest_rank_median(ranks, "step_s", warmup),
+        "iter_s": slowest_rank_median(ranks, "iter_s", warmup),
         "act_bytes": max(per_rank("act_bytes")),
         "mem_before": max(per_rank("mem_before")),
         "process_peak_bytes": max(r["process_peak_bytes"] for r in ranks),
@@ -233,51 +215,41 @@ def _spread(impl: str) -> Callable[[dict[str, Any]], str]:
     return lambda r: f"{_val(impl, 'a2a_s_min', '.3f')(r)}-{_val(impl, 'a2a_s_max', '.3f')(r)}"
 
 
+def _pair(title: str, key: str, spec: str = ".2f", scale: float = 1.0) -> list[Column]:
+    """`title hf` and `title up` columns of a run-level metric."""
+    return [(f"{title} {tag}", _val(impl, key, spec, scale)) for impl, tag in zip(IMPLS, ("hf", "up"), strict=True)]
+
+
+def _ratio_col(title: str, group: str, key: str) -> Column:
+    return (title, lambda r: _fmt(r[group][key], ".3f"))
+
+
 CELL: list[Column] = [("SP", lambda r: str(r["sp"])), ("S", lambda r: _seq(r["seq_len"]))]
 TIME_COLUMNS: list[Column] = CELL + [
-    ("hf_longctx", _val("hf_longctx", "step_s")),
-    ("upstream", _val("upstream", "step_s")),
-    ("ratio hf/up", lambda r: _fmt(r["ratio"]["step_s"], ".3f")),
-    ("hf iter", _val("hf_longctx", "iter_s")),
-    ("up iter", _val("upstream", "iter_s")),
-    ("SP=1", _val("sp1", "step_s")),
-]
+    ("hf_longctx", _val("hf_longctx", "step_s")), ("upstream", _val("upstream", "step_s")),
+    _ratio_col("ratio hf/up", "ratio", "step_s"), *_pair("iter", "iter_s"), ("SP=1", _val("sp1", "step_s")),
+]  # fmt: skip
 MEMORY_COLUMNS: list[Column] = CELL + [
-    ("act hf", _val("hf_longctx", "act_bytes", ".0f", MiB)),
-    ("act up", _val("upstream", "act_bytes", ".0f", MiB)),
-    ("act SP=1", _val("sp1", "act_bytes", ".0f", MiB)),
-    ("hf / SP=1", lambda r: _fmt(r["act_vs_sp1"]["hf_longctx"], ".3f")),
-    ("up / SP=1", lambda r: _fmt(r["act_vs_sp1"]["upstream"], ".3f")),
-    ("hf / up", lambda r: _fmt(r["ratio"]["act_bytes"], ".3f")),
-    ("before-step hf", _val("hf_longctx", "mem_before", ".0f", MiB)),
-    ("before-step up", _val("upstream", "mem_before", ".0f", MiB)),
-    ("process peak hf", _val("hf_longctx", "process_peak_bytes", ".0f", MiB)),
-    ("process peak up", _val("upstream", "process_peak_bytes", ".0f", MiB)),
+    *_pair("act", "act_bytes", ".0f", MiB), ("act SP=1", _val("sp1", "act_bytes", ".0f", MiB)),
+    _ratio_col("hf / SP=1", "act_vs_sp1", "hf_longctx"), _ratio_col("up / SP=1", "act_vs_sp1", "upstream"),
+    _ratio_col("hf / up", "ratio", "act_bytes"), *_pair("before-step", "mem_before", ".0f", MiB),
+    *_pair("process peak", "process_peak_bytes", ".0f", MiB),
     ("process peak SP=1", _val("sp1", "process_peak_bytes", ".0f", MiB)),
-]
+]  # fmt: skip
 BYTES_COLUMNS: list[Column] = CELL + [
     ("theory", lambda r: _fmt(r["theory_bytes"], ".2f", MiB)),
     ("hf_longctx", _val("hf_longctx", "a2a_bytes", ".2f", MiB)),
-    ("hf / theory", lambda r: _fmt(r["bytes_vs_theory"]["hf_longctx"], ".3f")),
+    _ratio_col("hf / theory", "bytes_vs_theory", "hf_longctx"),
     ("hf (record_collectives)", _val("hf_longctx", "hf_a2a_bytes", ".2f", MiB)),
-    ("upstream", _val("upstream", "a2a_bytes", ".2f", MiB)),
-    ("up / theory", lambda r: _fmt(r["bytes_vs_theory"]["upstream"], ".3f")),
-    ("a2a calls hf", _val("hf_longctx", "a2a_calls", ".0f")),
-    ("a2a calls up", _val("upstream", "a2a_calls", ".0f")),
-]
+    ("upstream", _val("upstream", "a2a_bytes", ".2f", MiB)), _ratio_col("up / theory", "bytes_vs_theory", "upstream"),
+    *_pair("a2a calls", "a2a_calls", ".0f"),
+]  # fmt: skip
 COMM_COLUMNS: list[Column] = CELL + [
-    ("a2a time hf", _val("hf_longctx", "a2a_s", ".3f")),
-    ("a2a time up", _val("upstream", "a2a_s", ".3f")),
-    ("ratio hf/up", lambda r: _fmt(r["ratio"]["a2a_s"], ".3f")),
-    ("min-max rank hf", _spread("hf_longctx")),
-    ("min-max rank up", _spread("upstream")),
-    ("a2a share of step hf", _share("hf_longctx")),
-    ("a2a share up", _share("upstream")),
-    ("other coll. MiB hf", _val("hf_longctx", "other_comm_bytes", ".1f", MiB)),
-    ("other coll. MiB up", _val("upstream", "other_comm_bytes", ".1f", MiB)),
-    ("other coll. s hf", _val("hf_longctx", "other_comm_s", ".3f")),
-    ("other coll. s up", _val("upstream", "other_comm_s", ".3f")),
-]
+    *_pair("a2a time", "a2a_s", ".3f"), _ratio_col("ratio hf/up", "ratio", "a2a_s"),
+    ("min-max rank hf", _spread("hf_longctx")), ("min-max rank up", _spread("upstream")),
+    ("a2a share of step hf", _share("hf_longctx")), ("a2a share up", _share("upstream")),
+    *_pair("other coll. MiB", "other_comm_bytes", ".1f", MiB), *_pair("other coll. s", "other_comm_s", ".3f"),
+]  # fmt: skip
 
 
 def _kernels(impl: str) -> Callable[[dict[str, Any]], float | None]:
@@ -335,10 +307,7 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], base: 
     models = sorted({r["model"] for r in rows} | {b["model"] for b in base})
     out = [f"# hf_longctx vs upstream DeepSpeed SP: `{meta.get('profile', '?')}` profile ({meta.get('date', '?')})", ""]
     out += [
-        f"Command: `{str(meta.get('command', '?')).strip()}`  ",
-        f"Total wall time: {_fmt(meta.get('total_wall_s'), '.0f')} s; runs: {meta.get('runs_ok', '?')} ok, "
-        f"{meta.get('runs_failed', 0)} failed; load average at start / end: {meta.get('load_start', '?')} / "
-        f"{meta.get('load_end', '?')} on {meta.get('cpus', '?')} CPUs.  ",
+        _results.run_line(meta) + "  ",
         f"Versions: {meta.get('versions', {})}.  ",
         f"Per run: {meta.get('warmup', '?')} warm-up + {meta.get('steps', '?')} measured optimizer steps, batch 1, "
         f"DeepSpeed ZeRO-{meta.get('zero_stage', 1)}, HF Trainer; {meta.get('repeats', '?')} repeats per cell in "

@@ -22,112 +22,53 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _harness, _results, report
+from benchmarks.worker import shipped_shape
 
 RESULTS = _results.RESULTS
 
 # Tiny random-init Llama for CPU: 4 query / 4 key-value heads (both divide SP = 2 and 4, so the theory
 # formula applies without KV replication), head_dim 32, 2 layers. Small enough that the whole CPU grid,
 # including S = 16K, fits the 15-minute budget on 2 cores (see benchmarks/README.md).
-CPU_MODEL = {
-    "name": "tiny-llama",
-    "arch": "llama",
-    "vocab": 2048,
-    "hidden": 128,
-    "intermediate": 256,
-    "layers": 2,
-    "heads": 4,
-    "kv_heads": 4,
-    "head_dim": 32,
-}
-GPU_MODELS = {
-    # Qwen3-4B: 36 layers, hidden 2560, 32 query / 8 kv heads of 128, intermediate 9728, vocab 151936.
-    "qwen3-4b-shape": {
-        "arch": "qwen3",
-        "vocab": 151936,
-        "hidden": 2560,
-        "intermediate": 9728,
-        "layers": 36,
-        "heads": 32,
-        "kv_heads": 8,
-        "head_dim": 128,
-    },
-    # Llama-3.1-8B: 32 layers, hidden 4096, 32 query / 8 kv heads of 128, intermediate 14336, vocab 128256.
-    "llama-8b-shape": {
-        "arch": "llama",
-        "vocab": 128256,
-        "hidden": 4096,
-        "intermediate": 14336,
-        "layers": 32,
-        "heads": 32,
-        "kv_heads": 8,
-        "head_dim": 128,
-    },
-}
+CPU_MODEL = {"name": "tiny-llama", "arch": "llama", "vocab": 2048, "hidden": 128, "intermediate": 256, "layers": 2,
+             "heads": 4, "kv_heads": 4, "head_dim": 32}  # fmt: skip
+# Qwen3-4B and Llama-3.1-8B shapes, from the configs hf_longctx ships for the planner.
+GPU_MODELS = {"qwen3-4b-shape": ("qwen3-4b", "qwen3"), "llama-8b-shape": ("llama3.1-8b", "llama")}
 
 K = 1024
+_CPU = {"device": "cpu", "dtype": "fp32", "attn": "sdpa", "models": {"tiny-llama": CPU_MODEL}, "warmup": 1,
+        "sp1_repeats": 1, "gradient_checkpointing": False}  # fmt: skip
 PROFILES: dict[str, dict[str, Any]] = {
-    "cpu": {
-        "device": "cpu",
-        "dtype": "fp32",
-        "attn": "sdpa",
-        "models": {"tiny-llama": CPU_MODEL},
-        # (SP, S) cells; S = 16K only for SP = 4 (SP = 2 at 16K alone would take ~4 of the 15 minutes).
-        "cells": [(2, s) for s in (2 * K, 4 * K, 8 * K)] + [(4, s) for s in (2 * K, 4 * K, 8 * K, 16 * K)],
-        "sp1_seq_lens": [2 * K, 4 * K, 8 * K, 16 * K],
-        "warmup": 1,
-        "steps": 3,
-        "repeats": 2,
-        "sp1_repeats": 1,
-        "timeout": 600,
-        "gradient_checkpointing": False,
-    },
-    "cpu-quick": {
-        "device": "cpu",
-        "dtype": "fp32",
-        "attn": "sdpa",
-        "models": {"tiny-llama": CPU_MODEL},
-        "cells": [(2, K)],
-        "sp1_seq_lens": [K],
-        "warmup": 1,
-        "steps": 2,
-        "repeats": 1,
-        "sp1_repeats": 1,
-        "timeout": 300,
-        "gradient_checkpointing": False,
-    },
-    "gpu": {
-        "device": "cuda",
-        "dtype": "bf16",
-        "attn": "flash_attention_2",
-        "models": GPU_MODELS,
-        "cells": None,  # SP = number of visible GPUs, S = 32K..256K (filled in at run time)
-        "seq_lens": [32 * K, 64 * K, 128 * K, 256 * K],
-        # SP=1 holds the whole model + optimizer on one GPU: only the shortest length is attempted.
-        "sp1_seq_lens": [32 * K],
-        "warmup": 1,
-        "steps": 3,
-        "repeats": 2,
-        "sp1_repeats": 1,
-        "timeout": 900,
-        "gradient_checkpointing": True,
-    },
-}
+    # (SP, S) cells; S = 16K only for SP = 4 (SP = 2 at 16K alone would take ~4 of the 15 minutes).
+    "cpu": {**_CPU, "cells": [(2, s) for s in (2 * K, 4 * K, 8 * K)] + [(4, s) for s in (2 * K, 4 * K, 8 * K, 16 * K)],
+            "sp1_seq_lens": [2 * K, 4 * K, 8 * K, 16 * K], "steps": 3, "repeats": 2, "timeout": 600},
+    "cpu-quick": {**_CPU, "cells": [(2, K)], "sp1_seq_lens": [K], "steps": 2, "repeats": 1, "timeout": 300},
+    # SP = number of visible GPUs, S = 32K..256K (cells filled in at run time); SP=1 holds the whole model and
+    # optimizer on one GPU: only the shortest length is attempted.
+    "gpu": {"device": "cuda", "dtype": "bf16", "attn": "flash_attention_2", "models": GPU_MODELS, "cells": None,
+            "seq_lens": [32 * K, 64 * K, 128 * K, 256 * K], "sp1_seq_lens": [32 * K], "warmup": 1, "steps": 3,
+            "repeats": 2, "sp1_repeats": 1, "timeout": 900, "gradient_checkpointing": True},
+}  # fmt: skip
+
+
+def model_shape(profile: dict[str, Any], name: str) -> dict[str, Any]:
+    """A profile's model as a worker spec (a shipped config's shape is given as `(config name, arch)`)."""
+    model = profile["models"][name]
+    return shipped_shape(*model) if isinstance(model, (tuple, list)) else model
 
 
 def make_spec(profile: dict[str, Any], model_name: str, impl: str, sp: int, seq_len: int) -> dict[str, Any]:
     """The JSON spec one worker job runs (see `benchmarks.worker`)."""
-    model = dict(profile["models"][model_name], name=model_name, max_positions=seq_len)
+    model = dict(model_shape(profile, model_name), name=model_name, max_positions=seq_len)
     return {
         "impl": impl,
         "sp": 1 if impl == report.BASELINE else sp,
         "seq_len": seq_len,
         "warmup": profile["warmup"],
-        "steps": profile["steps"],
+        "steps": profile["warmup"] + profile["steps"],  # the worker runs them all; reports skip the warm-up
         "device": profile["device"],
         "dtype": profile["dtype"],
         "attn": profile["attn"],
         "gradient_checkpointing": profile["gradient_checkpointing"],
-        "zero_stage": 1,
         "seed": 0,
         # CPU: one thread per process. Intra-op threads on a shared 2-core box made the single process ~3x
         # slower than one thread (OpenMP barriers spinning against other work), so SP=1 is one core and
@@ -261,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = [r for r in runs if r["status"] == "ok"]
     meta.update(profile=name, versions=ok[0]["result"].get("versions", {}) if ok else {}, zero_stage=1)
     meta.update({k: profile[k] for k in ("warmup", "steps", "repeats", "device", "dtype", "attn", "cells")})
-    meta["models"] = {m: _describe(spec) for m, spec in profile["models"].items()}
+    meta["models"] = {m: _describe(model_shape(profile, m)) for m in profile["models"]}
     write_outputs(str(args.out_dir / tag), meta, runs)
     return 0 if ok and len(ok) == len(runs) else 1
 

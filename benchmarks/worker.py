@@ -1,315 +1,47 @@
-"""One measured training run of the benchmark: `run(rank, world_size, spec)` in every rank of a
-`benchmarks._harness` job. `spec["impl"]` picks the SP implementation, everything else is shared:
+"""The one training worker of every benchmark: `run(rank, world_size, spec)` in each rank of a `_harness` job.
 
-- "hf_longctx": `parallelism_config=hf_longctx.ParallelismConfig(sp_size=P, **spec.get("sp_options", {}))`
-                (Ulysses by default; `benchmarks.backends` passes ring / hybrid options);
-- "upstream":   `accelerate.parallelism_config.ParallelismConfig(sp_size=P, sp_backend="deepspeed")` with
-                `sp_handler.sp_attn_implementation` set to the model's kernel (DeepSpeed ALST Ulysses);
-- "none":       no SP (the SP=1 baseline, normally one process).
+`spec` (JSON) says what to train and how; every benchmark differs only in its specs:
 
-All three train the same random-init model on the same random tokens with the HF `Trainer` and DeepSpeed
-ZeRO-1 as the data-parallel engine (on CPU through the `PartialState(backend="gloo")` +
-`use_configured_state` route: without it accelerate sees one process per rank on CPU and duplicates data).
-A `TrainerCallback` measures every optimizer step between `on_step_begin` and `on_step_end` (the batch is
-already loaded then):
+- `impl`: "hf_longctx" (`hf_longctx.ParallelismConfig(sp_size=sp, **sp_options)`: backends and memory flags),
+  "upstream" (accelerate's `ParallelismConfig(sp_size=sp, sp_backend="deepspeed")` with
+  `sp_handler.sp_attn_implementation` set to the model's kernel: DeepSpeed ALST Ulysses) or "none" (no SP);
+- `engine`: "zero1" (DeepSpeed ZeRO-1, the default: the upstream path needs DeepSpeed), "zero3_offload" (ZeRO-3,
+  parameters and optimizer in host memory) or "ddp" (accelerate's own; one rank: no process group at all, as
+  the planner's `--world 1` means). DeepSpeed runs on CPU go through `PartialState(backend="gloo")` +
+  `use_configured_state` (without it accelerate sees one process per rank on CPU and duplicates data);
+- `trainer`: "trainer" (the stock `transformers.Trainer`) or "sft" (TRL's `SFTTrainer`);
+- `data`: "random" (rows of `seq_len` random tokens), "packed" (one row repeated, documents of `doc_len` tokens:
+  positions restart; `reference_loss` adds rank 0's per-document loss through the initial weights) or
+  "shakespeare" (the shipped default data and tiny Llama: `model` is then ignored);
+- `model`: `{"arch", "vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim"}` (+ `extra`
+  config fields), random init; `dtype` "fp32" or "bf16", `attn`, `device` "cpu" or "cuda", `threads`;
+- `steps` (optimizer steps, `warmup` of them unmeasured by the readers), `lr`, `optim`, `gradient_checkpointing`,
+  `log` (log the loss every step: a collective per step, off by default), `op_profile` (one extra profiled step).
 
-- `step_s`: wall time of the step (CUDA synchronised at both ends on GPU); `iter_s`: from the previous
-  step's end to this one's (adds data loading, which is where the upstream loader all-gathers batches);
-- memory: `before` = resident memory at `on_step_begin`, `peak` = the process high-water mark during the
-  step, reset at `on_step_begin` through `/proc/self/clear_refs` (CPU; RSS) or the allocator peak
-  (`torch.cuda.max_memory_allocated`, GPU). `peak - before` is the activation + transient memory of the
-  step: after the warm-up step the weights, the optimizer state and DeepSpeed's buffers already exist
-  before the step, while activations, gradients and temporaries are created inside it;
-- collectives: `torch.distributed.all_to_all_single` (and, for information, `all_gather`,
-  `all_gather_into_tensor`, `all_reduce`, `reduce_scatter_tensor`, `broadcast`) are wrapped in this process
-  for both implementations: calls, bytes this rank sends to other ranks, and wall time inside the call
-  (CUDA events on GPU). For hf_longctx, `hf_longctx.instrument.record_collectives()` numbers are added.
-- `spec["op_profile"]` (CPU): one extra step after the measured ones runs under `torch.profiler`; its self
-  CPU time is split by `report.categorize_ops` into attention kernel, matmul, communication and other. That
-  step is not in `steps`, so the profiler's overhead never reaches the medians.
+Measurements (`benchmarks._measure`): per step records, the process peak and `run_peak_bytes`, the resident
+growth from just before the model is built to the end of `trainer.train()` (model, gradients, optimizer state,
+activations and every runtime buffer: what `hf-longctx plan` predicts).
 """
 
 from __future__ import annotations
 
-import inspect
+import gc
 import os
-import re
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
-T_START = time.time()  # wall clock at worker start (before torch is imported)
-TIMELINE: dict[str, float] = {"worker_start": T_START}
+from benchmarks._measure import CommCounter, StepMemory, recorder
+
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
-def mark(name: str) -> None:
-    TIMELINE[name] = time.time()
-
-
-# What one all_to_all_single / other collective sends to other ranks, given its bytes `n` and group size `ws`.
-_VOLUME: dict[str, tuple[str, Callable[[int, int], float]]] = {
-    "all_gather": ("tensor", lambda n, ws: n * (ws - 1)),
-    "all_gather_into_tensor": ("input_tensor", lambda n, ws: n * (ws - 1)),
-    "all_reduce": ("tensor", lambda n, ws: 2 * n * (ws - 1) / ws),
-    "reduce_scatter_tensor": ("input", lambda n, ws: n * (ws - 1) / ws),
-    "broadcast": ("tensor", lambda n, ws: n),
-}
-A2A = "all_to_all_single"
-
-
-class CommCounter:
-    """Process-wide counters of the collectives issued through `torch.distributed` (any thread).
-
-    Unlike a ContextVar this also sees collectives run by autograd's device threads (CUDA backward).
-    """
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.totals: dict[str, list[float]] = {}  # op -> [calls, bytes sent to other ranks, seconds]
-        self._pending: list[tuple[str, Any, Any]] = []  # CUDA events resolved in flush()
-
-    def install(self) -> None:
-        import torch.distributed as dist
-
-        for op in (A2A, *_VOLUME):
-            original = getattr(dist, op)
-            setattr(dist, op, self._wrap(op, original, inspect.signature(original)))
-
-    def _wrap(self, op: str, original: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
-        import torch
-        import torch.distributed as dist
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs).arguments
-            group = bound.get("group")
-            ws = dist.get_world_size(group)
-            if op == A2A:
-                x = bound["input"]
-                n = x.numel() * x.element_size()
-                splits = bound.get("input_split_sizes")
-                if splits:
-                    me = dist.get_group_rank(group, dist.get_rank()) if group is not None else dist.get_rank()
-                    sent = n - n * splits[me] / x.shape[0]
-                else:
-                    sent = n * (ws - 1) / ws
-            else:
-                key, volume = _VOLUME[op]
-                x = bound[key]
-                sent = volume(x.numel() * x.element_size(), ws)
-            on_cuda = self.cuda and x.is_cuda
-            if on_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            seconds = time.perf_counter() - t0
-            stat = self.totals.setdefault(op, [0, 0.0, 0.0])
-            stat[0] += 1
-            stat[1] += sent
-            if on_cuda:
-                end.record()
-                self._pending.append((op, start, end))
-            else:
-                stat[2] += seconds
-            return out
-
-        wrapper.__wrapped__ = original
-        return wrapper
-
-    def flush(self) -> None:
-        """Add the elapsed time of recorded CUDA events (call after `torch.cuda.synchronize()`)."""
-        for op, start, end in self._pending:
-            self.totals[op][2] += start.elapsed_time(end) / 1000
-        self._pending.clear()
-
-    def snapshot(self) -> dict[str, list[float]]:
-        return {op: list(v) for op, v in self.totals.items()}
-
-
-def _diff(after: dict[str, list[float]], before: dict[str, list[float]]) -> dict[str, list[float]]:
-    out = {}
-    for op, (calls, sent, secs) in after.items():
-        b = before.get(op, [0, 0.0, 0.0])
-        if calls - b[0]:
-            out[op] = [int(calls - b[0]), sent - b[1], secs - b[2]]
-    return out
-
-
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.M).group(1))
-
-
-class StepMemory:
-    """Per-step peak memory: RSS high-water mark (CPU) or the CUDA allocator peak (GPU)."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.process_peak = 0
-        self._sampler = None
-        self.method = "cuda_max_memory_allocated" if cuda else "proc_clear_refs_VmHWM"
-        if not cuda:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:  # not allowed here: sample RSS from a thread instead
-                self.method = "rss_sampler_thread"
-
-    def begin(self) -> int:
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.process_peak = max(self.process_peak, torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-            return torch.cuda.memory_allocated()
-        if self.method == "rss_sampler_thread":
-            from hf_longctx.instrument import PeakMemorySampler
-
-            self._sampler = PeakMemorySampler().__enter__()
-            return self._sampler.start
-        self.process_peak = max(self.process_peak, _proc_status_kib("VmHWM") * 1024)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        return _proc_status_kib("VmRSS") * 1024
-
-    def end(self) -> int:
-        import torch
-
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated()
-        elif self._sampler is not None:
-            self._sampler.__exit__(None, None, None)
-            peak, self._sampler = self._sampler.peak, None
-        else:
-            peak = _proc_status_kib("VmHWM") * 1024
-        self.process_peak = max(self.process_peak, peak)
-        return peak
-
-
-def _op_events(prof: Any) -> list[tuple[float, list[str]]]:
-    """Per profiler event: self CPU seconds and the names of the event and its ancestors, innermost first."""
-    out = []
-    for ev in prof.events():
-        chain, node = [], ev
-        while node is not None:
-            chain.append(node.name)
-            node = node.cpu_parent
-        out.append((ev.self_cpu_time_total / 1e6, chain))
-    return out
-
-
-def _make_callback(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool, profile_step: int | None):
+def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str | None):
+    """A random-init causal LM of the spec's shape (`device=None`: let DeepSpeed ZeRO-3 place it)."""
     import torch
-    from transformers import TrainerCallback
+    import transformers
 
-    from benchmarks.report import categorize_ops
-
-    class StepRecorder(TrainerCallback):
-        """Records every step; step number `profile_step` (0-based) instead runs under `torch.profiler`."""
-
-        def __init__(self) -> None:
-            self.steps: list[dict[str, Any]] = []
-            self.op_profile: dict[str, float] | None = None
-            self._t0 = self._last_end = 0.0
-            self._before: dict[str, Any] = {}
-            self._seen = 0
-            self._prof: Any = None
-
-        def _hf(self) -> tuple[float, float, float]:
-            if hf_stats is None:
-                return (0, 0.0, 0.0)
-            a2a = hf_stats.ops.get("all_to_all")
-            return (a2a.calls, a2a.bytes_sent, a2a.seconds) if a2a else (0, 0.0, 0.0)
-
-        def _hf_ops(self) -> dict[str, list[float]]:
-            # every op hf_longctx counts (ring_p2p, ring_all_gather, ... besides all_to_all)
-            ops = hf_stats.ops.items() if hf_stats is not None else ()
-            return {op: [st.calls, st.bytes_sent, st.seconds] for op, st in ops}
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            mark("train_begin")
-            self._last_end = time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._seen += 1
-            if self._seen - 1 == profile_step:
-                self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                self._prof.__enter__()
-                return
-            rss_before = memory.begin()
-            if cuda:
-                counter.flush()
-            self._before = {"comm": counter.snapshot(), "hf": self._hf(), "hf_ops": self._hf_ops(), "mem": rss_before}
-            self._t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self._prof is not None:
-                self._prof.__exit__(None, None, None)
-                self.op_profile, self._prof = categorize_ops(_op_events(self._prof)), None
-                self._last_end = time.perf_counter()
-                return
-            if cuda:
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            peak = memory.end()
-            if cuda:
-                counter.flush()
-            comm = _diff(counter.snapshot(), self._before["comm"])
-            hf_after, hf_before = self._hf(), self._before["hf"]
-            a2a = comm.pop(A2A, [0, 0.0, 0.0])
-            self.steps.append(
-                {
-                    "step_s": t1 - self._t0,
-                    "iter_s": t1 - self._last_end,
-                    "mem_before": self._before["mem"],
-                    "mem_peak": peak,
-                    "act_bytes": peak - self._before["mem"],
-                    "a2a_calls": a2a[0],
-                    "a2a_bytes": a2a[1],
-                    "a2a_s": a2a[2],
-                    "hf_a2a_calls": hf_after[0] - hf_before[0],
-                    "hf_a2a_bytes": hf_after[1] - hf_before[1],
-                    "hf_a2a_s": hf_after[2] - hf_before[2],
-                    "other_comm": comm,
-                    "hf_ops": _diff(self._hf_ops(), self._before["hf_ops"]),
-                }
-            )
-            self._last_end = t1
-
-    return StepRecorder()
-
-
-class RandomTokens:
-    """`n` rows of `seq_len` random token ids (a map-style dataset, identical on every rank)."""
-
-    def __init__(self, n: int, seq_len: int, vocab: int, seed: int) -> None:
-        import torch
-
-        self.ids = torch.randint(1, vocab, (n, seq_len), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"input_ids": self.ids[i]}
-
-
-def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
-    """Full rows with labels and position_ids (the upstream DataLoader adapter requires position_ids)."""
-    import torch
-
-    ids = torch.stack([f["input_ids"] for f in features])
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(ids.shape[1]).expand_as(ids).clone()}
-
-
-def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
-    config_cls, model_cls = classes[model_spec["arch"]]
+    config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[model_spec["arch"]])
     config = config_cls(
         vocab_size=model_spec["vocab"],
         hidden_size=model_spec["hidden"],
@@ -322,134 +54,261 @@ def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str):
         attention_dropout=0.0,
         tie_word_embeddings=False,
         use_cache=False,
-        attn_implementation=attn,
+        **model_spec.get("extra", {}),
     )
     torch.manual_seed(model_spec.get("seed", 0))
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    try:
-        with torch.device(device):  # GPU: build in place, never a full fp32 copy in host memory per rank
-            model = model_cls(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    return model
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if device is None:  # ZeRO-3 configured: from_config partitions (and offloads) the weights as they are made
+        return model_cls._from_config(config, attn_implementation=attn, dtype=torch_dtype)
+    with torch.device(device):  # GPU: built in place, never a full fp32 copy in host memory per rank
+        return model_cls._from_config(config, attn_implementation=attn, dtype=torch_dtype)
 
 
-def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """This rank's per-step records (see the module docstring)."""
+class Rows:
+    """`n` rows of `seq_len` random token ids in [3, vocab) (`same`: n copies of one row, so the first step's
+    row is known whatever order the sampler picks); ids 0-2 stay free for the SFT tokenizer's specials."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int, same: bool = False) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        shape = (1, seq_len) if same else (n, seq_len)
+        self.ids = torch.randint(3, vocab, shape, generator=gen).expand(n, seq_len)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i].tolist()}
+
+
+def make_collate(doc_len: int | None):
+    """Full rows with labels and position_ids (restarting every `doc_len` tokens for packed rows; the upstream
+    DataLoader adapter requires position_ids)."""
     import torch
 
-    mark("torch_imported")
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
-    cuda = spec["device"] == "cuda"
-    counter = CommCounter(cuda=cuda)
-    counter.install()  # before accelerate / DeepSpeed / hf_longctx bind any collective
-    from accelerate import PartialState
-    from transformers import Trainer, TrainingArguments
+    def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
+        ids = torch.tensor([f["input_ids"] for f in features])
+        pos = torch.arange(ids.shape[1])
+        pos = pos % doc_len if doc_len else pos
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos.expand_as(ids).clone()}
 
-    mark("transformers_imported")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    impl, sp = spec["impl"], spec["sp"]
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    # DeepSpeed is the DP engine of every run; on CPU accelerate needs a configured gloo state (else it reports one
-    # process per rank and duplicates the data).
+    return collate
+
+
+def word_tokenizer(vocab: int):
+    """A WordLevel tokenizer whose token i is the word "w{i}" (SFTTrainer needs one; rows are token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", unk_token="w1", eos_token="w2")
+
+
+def document_reference_loss(spec: dict[str, Any], row: list[int]) -> float:
+    """Mean next-token loss of a packed row with each document run alone (no SP, initial weights)."""
+    import torch
+
+    model = build_model(spec["model"], spec["attn"], spec["dtype"], "cpu")
+    ids, doc = torch.tensor(row), spec["doc_len"]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(row), doc):
+            part = ids[start : start + doc].unsqueeze(0)
+            logits = model(input_ids=part).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits.float(), part[0, 1:], reduction="sum").item()
+            count += part.shape[1] - 1
+    return total / count
+
+
+def _setup(spec: dict[str, Any], world: int, cuda: bool) -> dict[str, Any]:
+    """Process group and engine: the TrainingArguments fields of `spec["engine"]`."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    engine = spec.get("engine", "zero1")
+    if engine == "ddp":
+        if world == 1:  # a single process: no process group, so no DDP wrapper and no gradient buckets
+            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                os.environ.pop(key, None)
+        elif not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        return {"use_cpu": not cuda}
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="nccl" if cuda else "gloo")
+    zero: dict[str, Any] = {"stage": 1}
+    if engine == "zero3_offload":
+        offload = {"device": "cpu", "pin_memory": cuda}
+        zero = {"stage": 3, "offload_param": offload, "offload_optimizer": offload}
+        zero["stage3_param_persistence_threshold"] = 0
+    ds = {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "gradient_clipping": "auto"}
+    ds.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto", train_batch_size="auto")
+    if engine == "zero3_offload":
+        ds["zero_force_ds_cpu_optimizer"] = False  # a torch optimizer on the offloaded states (no compiled CPU Adam)
+    return {"deepspeed": ds, "accelerator_config": {"use_configured_state": True}}
 
+
+def _parallelism(spec: dict[str, Any], world: int) -> Any:
+    impl, sp = spec["impl"], spec.get("sp", 1)
     if impl == "hf_longctx":
         import hf_longctx
 
-        parallelism_config = hf_longctx.ParallelismConfig(sp_size=sp, **spec.get("sp_options", {}))
-    elif impl == "upstream":
+        options = spec.get("sp_options", {})
+        return hf_longctx.ParallelismConfig(sp_size=sp, **options) if sp > 1 or options else None
+    if impl == "upstream":
         from accelerate.parallelism_config import ParallelismConfig
 
-        parallelism_config = ParallelismConfig(sp_size=sp, sp_backend="deepspeed")
-        parallelism_config.sp_handler.sp_attn_implementation = spec["attn"]
-    elif impl == "none":
-        parallelism_config = None
-    else:
+        if sp != world:
+            raise ValueError(f"the upstream benchmark runs SP over the whole world: sp={sp}, world={world}")
+        config = ParallelismConfig(sp_size=sp, sp_backend="deepspeed")
+        config.sp_handler.sp_attn_implementation = spec["attn"]
+        return config
+    if impl != "none":
         raise ValueError(f"unknown impl {impl!r}")
-    if impl != "none" and sp != world:
-        raise ValueError(f"the benchmark runs SP over the whole world: sp={sp}, world={world}")
+    return None
 
-    steps = spec["warmup"] + spec["steps"]
-    # CPU op breakdown: one extra step after the measured ones, profiled and kept out of the medians.
-    profile_step = steps if spec.get("op_profile") and not cuda else None
-    steps += profile_step is not None
-    ds_config = {
-        "zero_optimization": {"stage": spec.get("zero_stage", 1)},
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
+
+def flags_active(model: Any) -> dict[str, bool]:
+    """Whether each memory flag changed the model as it should (a flag that did nothing must not pass)."""
+    from hf_longctx.memory.offload import offloaded_checkpoint
+
+    layer = model.model.layers[0]
+    func = getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
+    return {
+        "tiled_loss": len(model.lm_head._forward_hooks) > 0,
+        "tiled_mlp": "forward" in vars(layer.mlp),
+        "offload_activations": func is offloaded_checkpoint,
     }
-    out_dir = tempfile.mkdtemp(prefix="hf_longctx_bench_")
-    args = TrainingArguments(
-        output_dir=out_dir,
-        report_to=[],
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        optim="adamw_torch",
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        deepspeed=ds_config,
-        accelerator_config={"use_configured_state": True},
-        bf16=spec["dtype"] == "bf16",
-        activation_checkpointing=spec.get("gradient_checkpointing", False),
-        logging_strategy="no",
-        save_strategy="no",
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        seed=spec.get("seed", 0),
-        disable_tqdm=True,
-        parallelism_config=parallelism_config,
-    )
-    model = build_model(spec["model"], spec["attn"], spec["dtype"], f"cuda:{local_rank}" if cuda else "cpu")
+
+
+def _trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any], callbacks: list) -> Any:
+    if spec.get("trainer", "trainer") == "trainer":
+        from transformers import Trainer, TrainingArguments
+
+        collate = make_collate(spec.get("doc_len") if spec.get("data") == "packed" else None)
+        args = TrainingArguments(remove_unused_columns=False, **common)
+        return Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=callbacks)
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(max_length=spec["seq_len"], packing=False, dataset_num_proc=1, **common)
+    rows = datasets.Dataset.from_list([data[i] for i in range(len(data))])
+    tokenizer = word_tokenizer(spec["model"]["vocab"])
+    return SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, callbacks=callbacks)
+
+
+def _import_before_measuring(spec: dict[str, Any]) -> None:
+    """Import what the run will use, so `run_peak_bytes` counts tensors and buffers, not code (~0.2 GiB)."""
+    import transformers
+
+    import hf_longctx.instrument  # noqa: F401
+
+    transformers.Trainer, transformers.TrainingArguments  # noqa: B018 - the lazy modules load on access
+    if spec.get("data") != "shakespeare":
+        getattr(transformers, ARCHS[spec["model"]["arch"]][1])
+    if spec.get("trainer") == "sft":
+        import datasets  # noqa: F401
+        import trl
+
+        trl.SFTTrainer  # noqa: B018
+
+
+def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """This rank's per-step records, peaks and losses (see the module docstring)."""
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    cuda = spec.get("device", "cpu") == "cuda"
+    counter = CommCounter(cuda=cuda)
+    counter.install()  # before accelerate / DeepSpeed / hf_longctx bind any collective
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    engine_args = _setup(spec, world, cuda)
+    parallelism = _parallelism(spec, world)
+    steps = spec["steps"] + (1 if spec.get("op_profile") and not cuda else 0)  # + the profiled step
+    profile_step = spec["steps"] if steps > spec["steps"] else None
+    if spec.get("data") == "shakespeare":
+        from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama, window_dataset
+
+        tok = gpt2_tokenizer()
+        data = window_dataset(tok, spec["seq_len"], max_windows=spec.get("windows", 100))
+    else:
+        packed = spec.get("data") == "packed"
+        data = Rows((steps + 1) * world, spec["seq_len"], spec["model"]["vocab"], spec.get("seed", 0), same=packed)
+    # Computed before training: the upstream path then replaces the process-wide kernel for every model.
+    reference = None
+    if spec.get("reference_loss") and rank == 0:
+        reference = document_reference_loss(spec, data[0]["input_ids"])
+    _import_before_measuring(spec)
+    gc.collect()
+    memory = StepMemory(cuda)
+    start = memory.begin()
+    memory.process_peak = start  # the run's peak counts from here: the model, its state and every step
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="hf_longctx_bench_"), report_to=[], per_device_train_batch_size=1,
+        max_steps=steps, learning_rate=spec.get("lr", 1e-4), optim=spec.get("optim", "adamw_torch"),
+        lr_scheduler_type="constant", max_grad_norm=1.0, bf16=spec.get("dtype") == "bf16",
+        activation_checkpointing=spec.get("gradient_checkpointing", False), save_strategy="no",
+        logging_strategy="steps" if spec.get("log") else "no", logging_steps=1, dataloader_num_workers=0,
+        dataloader_drop_last=True, seed=spec.get("seed", 0), disable_tqdm=True, parallelism_config=parallelism,
+        **engine_args,
+    )  # fmt: skip
+    if spec.get("data") == "shakespeare":
+        model = tiny_llama(tok, num_hidden_layers=2)
+    else:
+        zero3 = spec.get("engine") == "zero3_offload"
+        model = build_model(spec["model"], spec["attn"], spec["dtype"], None if zero3 else ("cuda" if cuda else "cpu"))
     local_lens: list[int] = []
     model.register_forward_pre_hook(
-        lambda m, a, kw: local_lens.append(int(kw["input_ids"].shape[1])) if len(local_lens) < 1 else None,
-        with_kwargs=True,
+        lambda m, a, kw: local_lens.append(int(kw["input_ids"].shape[1])) if not local_lens else None, with_kwargs=True
     )
-    data = RandomTokens((steps + 1) * world, spec["seq_len"], spec["model"]["vocab"], spec.get("seed", 0))
-
-    memory = StepMemory(cuda)
-    hf_ctx: Any = None
-    if impl == "hf_longctx":
+    hf_ctx = None
+    if spec["impl"] == "hf_longctx":
         from hf_longctx.instrument import record_collectives
 
         hf_ctx = record_collectives()
     hf_stats = hf_ctx.__enter__() if hf_ctx is not None else None
-    recorder = _make_callback(counter, memory, hf_stats, cuda, profile_step)
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[recorder])
-    mark("trainer_ready")  # model built, Trainer constructed (DeepSpeed is initialised inside train())
+    steps_cb = recorder(counter, memory, hf_stats, cuda, profile_step)
+    trainer = _trainer(spec, model, data, common, [steps_cb])
     t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
         if hf_ctx is not None:
             hf_ctx.__exit__(None, None, None)
-    train_s = time.perf_counter() - t0
-    mark("train_end")
-
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    attn_key = trainer.model.config._attn_implementation if hasattr(trainer.model, "config") else None
-    core = ALL_ATTENTION_FUNCTIONS.get(spec["attn"])
+        memory.end()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    with open("/proc/self/status") as f:
+        host_peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    flags = [k for k in ("tiled_loss", "tiled_mlp", "offload_activations") if spec.get("sp_options", {}).get(k)]
     return {
         "rank": rank,
-        "steps": recorder.steps,
-        "op_profile": recorder.op_profile,
+        "steps": steps_cb.steps,
+        "op_profile": steps_cb.op_profile,
         "process_peak_bytes": memory.process_peak,
+        "run_peak_bytes": memory.process_peak - start,
+        "host_peak_bytes": host_peak if cuda else memory.process_peak,
         "memory_method": memory.method,
         "local_seq_len": local_lens[0] if local_lens else None,
-        "train_s": train_s,
-        "attn_impl": attn_key,
-        # upstream overwrites the core kernel's registry entry with its wrapper
-        "core_kernel": getattr(core, "__qualname__", repr(core)),
+        "train_s": time.perf_counter() - t0,
+        "losses": losses,
+        "first_loss": losses[0] if losses else None,
+        "document_reference_loss": reference,
+        "flags_active": {k: v for k, v in flags_active(model).items() if k in flags} if flags else {},
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "attn": spec.get("attn"),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "threads": torch.get_num_threads(),
-        "timeline": dict(TIMELINE),
     }
+
+
+def shipped_shape(name: str, arch: str) -> dict[str, Any]:
+    """The worker model spec of a config shipped with hf_longctx (`hf-longctx plan --model NAME` reads the same)."""
+    from hf_longctx.planner.model_shape import load_model_shape
+
+    shape = load_model_shape(name)
+    keys = ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim")
+    return {"arch": arch, **{k: getattr(shape, k) for k in keys}}

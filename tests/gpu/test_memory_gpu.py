@@ -1,9 +1,12 @@
-"""GPU-only paths of the memory flags (skipped without CUDA; run through the device tool).
+"""GPU-only paths of the memory flags, in bf16 at a size where dtype and streams matter (skipped without CUDA).
 
-On CUDA `offload_activations` copies layer inputs to pinned host memory on a side stream and prefetches
-them back; `tiled_loss` uses Liger's fused linear cross-entropy only when `tiled_loss="liger"` asks for it
-and leaves TRL's fused head to its Triton kernel; under bfloat16 autocast its gradients match the untiled
-path's in dtype and value. Each flag on vs off must still give the same loss and gradients (float32 here).
+The model is the `Trainer(bf16=True)` case: float32 weights under bfloat16 autocast, 4 layers of hidden 1024,
+vocabulary 32,000, 16,384 tokens, so the logits (1 GiB in bf16, 2 GiB upcast) and the layer inputs (32 MiB each)
+dominate device memory. On CUDA `offload_activations` copies each layer input to pinned host memory on a side
+stream and prefetches it back; `tiled_loss` never materialises the logits; `tiled_mlp` runs the MLP per tile.
+Each flag must (a) train like the run without it: its error against a float32 reference no larger than the
+unflagged bf16 run's own error (x2, the way bf16 kernels are judged), and (b) lower the device memory it is for.
+`tiled_loss` picks Liger only when `tiled_loss="liger"` asks for it.
 """
 
 from __future__ import annotations
@@ -15,70 +18,110 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
+SEQ, VOCAB, HIDDEN, LAYERS = 16384, 32000, 1024, 4
+
 
 def _model():
     from tests._models import tiny_model
 
-    return tiny_model("llama", num_heads=4, num_kv_heads=2, hidden=128, layers=3).cuda()
+    return tiny_model("llama", num_heads=16, num_kv_heads=4, hidden=HIDDEN, layers=LAYERS, vocab=VOCAB).cuda()
 
 
-def _step(model, flags: dict) -> tuple[float, dict[str, torch.Tensor], dict]:
+def _ids(seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+
+def _step(model, flags: dict, autocast: bool = True, checkpointing: bool = False) -> dict:
+    """One forward + backward; loss, float32 gradients, the device peak above the start and the flag parts."""
     from hf_longctx.memory import apply_memory_flags
 
-    g = torch.Generator("cuda").manual_seed(0)
-    ids = torch.randint(0, 128, (2, 301), device="cuda", generator=g)
+    ids = _ids()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
     with apply_memory_flags(model, SimpleNamespace(**flags)) as handle:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         parts = dict(handle.parts)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    return out.loss.item(), grads, parts
+    model.gradient_checkpointing_disable()
+    return {"loss": loss.item(), "grads": grads, "peak": peak, "parts": parts}
+
+
+def _errors(run: dict, ref: dict) -> tuple[float, float]:
+    loss = abs(run["loss"] - ref["loss"]) / abs(ref["loss"])
+    grad = max(float((run["grads"][n] - g).abs().max() / g.abs().max()) for n, g in ref["grads"].items())
+    return loss, grad
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The float32 reference and the unflagged bf16 run, shared by every flag."""
+    model = _model()
+    return model, _step(model, {}, autocast=False), _step(model, {})
 
 
 @pytest.mark.parametrize(
     "flags", [{"offload_activations": True}, {"tiled_loss": True}, {"tiled_mlp": 4}], ids=lambda f: next(iter(f))
 )
-def test_flag_on_cuda_matches_off(flags):
-    model = _model()
-    ref_loss, ref_grads, _ = _step(model, {})
-    loss, grads, parts = _step(model, flags)
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
-    for name, ref in ref_grads.items():
-        assert (grads[name] - ref).abs().max() <= 1e-4 * ref.abs().max(), name
+def test_flag_in_bf16_trains_like_the_unflagged_run(runs, flags):
+    model, ref, plain = runs
+    flagged = _step(model, flags)
+    plain_loss, plain_grad = _errors(plain, ref)
+    loss, grad = _errors(flagged, ref)
+    assert loss <= 2 * plain_loss + 1e-4 and grad <= 2 * plain_grad + 1e-3, (loss, grad, plain_loss, plain_grad)
     if "offload_activations" in flags:
-        offload = parts["offload_activations"].offload
-        assert offload._stream is not None  # the copies ran on the side stream
+        assert flagged["parts"]["offload_activations"].offload._stream is not None  # copies ran on the side stream
 
 
-def test_offloaded_inputs_leave_the_gpu():
-    """With offload the device memory held between forward and backward drops by about L x [n, h]."""
+def test_tiled_loss_drops_the_logits(runs):
+    model, _, plain = runs
+    tiled = _step(model, {"tiled_loss": True})
+    logits_bf16 = SEQ * VOCAB * 2
+    assert plain["peak"] - tiled["peak"] >= logits_bf16, (plain["peak"], tiled["peak"])
+
+
+def test_offload_frees_the_checkpointed_layer_inputs(runs):
+    """Between forward and backward, offload keeps about L x [S, h] fewer bytes on the device than checkpointing."""
     from hf_longctx.memory import apply_memory_flags
 
-    model = _model()
-    ids = torch.randint(0, 128, (1, 8192), device="cuda")
+    model = runs[0]
     held = {}
-    for name, flags in (("checkpointing", None), ("offload", {"offload_activations": True})):
-        if flags is None:
-            model.activation_checkpointing_enable({"use_reentrant": False})
-            handle = None
-        else:
-            model.gradient_checkpointing_disable()
-            handle = apply_memory_flags(model, SimpleNamespace(**flags))
+    for name in ("checkpointing", "offload"):
+        if name == "checkpointing":
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        handle = apply_memory_flags(model, SimpleNamespace(offload_activations=name == "offload"))
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=_ids(), labels=_ids()).loss
         torch.cuda.synchronize()
         held[name] = torch.cuda.memory_allocated() - before
         loss.backward()
         model.zero_grad(set_to_none=True)
-        if handle is not None:
-            handle.remove()
-    layer_input = 8192 * 128 * 4
-    assert held["checkpointing"] - held["offload"] >= 2 * layer_input  # 3 layers' inputs, minus slack
+        handle.remove()
+        model.gradient_checkpointing_disable()
+    layer_input = SEQ * HIDDEN * 4  # the residual stream stays float32 under autocast
+    assert held["checkpointing"] - held["offload"] >= (LAYERS - 1) * layer_input, held
 
 
-def test_installed_liger_is_used_only_when_asked_for(monkeypatch):
+def test_tiled_mlp_lowers_the_peak_under_checkpointing(runs):
+    """With the logits gone (tiled_loss) the peak is a recomputed layer's backward, where the MLP's
+    [S, intermediate] tensors dominate; 8 tiles keep an eighth of them alive."""
+    model = runs[0]
+    whole = _step(model, {"tiled_loss": True}, checkpointing=True)
+    tiled = _step(model, {"tiled_loss": True, "tiled_mlp": 8}, checkpointing=True)
+    mlp_transient = SEQ * 2 * HIDDEN * 2  # one [S, intermediate] bf16 activation
+    assert whole["peak"] - tiled["peak"] >= mlp_transient // 2, (whole["peak"], tiled["peak"])
+
+
+def test_installed_liger_is_used_only_when_asked_for(monkeypatch, runs):
     import sys
     import types
 
@@ -93,21 +136,21 @@ def test_installed_liger_is_used_only_when_asked_for(monkeypatch):
     module.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
     for name in ("liger_kernel", "liger_kernel.transformers", module.__name__):
         monkeypatch.setitem(sys.modules, name, module)
-    model = _model()
-    ref_loss, _, _ = _step(model, {})
-    loss, _, _ = _step(model, {"tiled_loss": True})
-    assert not calls  # was swapped in silently on CUDA
-    liger_loss, _, _ = _step(model, {"tiled_loss": "liger"})
+    model, _, plain = runs
+    tiled = _step(model, {"tiled_loss": True})
+    assert not calls  # never swapped in silently
+    liger = _step(model, {"tiled_loss": "liger"})
     assert len(calls) == 1 and calls[0]["reduction"] == "sum"
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and abs(liger_loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for run in (tiled, liger):
+        assert abs(run["loss"] - plain["loss"]) <= 1e-2 * abs(plain["loss"])
 
 
-def test_tiled_loss_under_bf16_autocast_matches_untiled():
-    """The weight gradient's matmul runs in bfloat16 with float32 accumulation (addmm out_dtype)."""
+def test_tiled_loss_in_pure_bf16_keeps_the_gradient_dtype():
+    """Weights in bfloat16 (no master copy): the weight gradient's matmul runs in bf16 with fp32 accumulation."""
     from hf_longctx.memory import apply_memory_flags
 
     model = _model().to(torch.bfloat16)
-    ids = torch.randint(0, 128, (2, 301), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    ids = _ids(4096)
     grads = []
     for flags in ({}, {"tiled_loss": True}):
         with apply_memory_flags(model, SimpleNamespace(**flags)), torch.autocast("cuda", dtype=torch.bfloat16):

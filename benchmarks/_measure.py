@@ -1,0 +1,245 @@
+"""What a benchmark run measures in each rank: collectives, memory per step, and one record per optimizer step.
+
+- `CommCounter` wraps `torch.distributed.all_to_all_single` (and, for information, `all_gather`,
+  `all_gather_into_tensor`, `all_reduce`, `reduce_scatter_tensor`, `broadcast`) process-wide, for every SP
+  implementation alike: calls, bytes this rank sends to other ranks, wall time inside the call (CUDA events on GPU).
+- `StepMemory`: the resident high-water mark `VmHWM`, reset at each step's start through `/proc/self/clear_refs`
+  (CPU), or the allocator peak `torch.cuda.max_memory_allocated` (GPU); `process_peak` covers the whole run.
+- `recorder(...)`: a `TrainerCallback` that records every optimizer step between `on_step_begin` and `on_step_end`
+  (the batch is already loaded then): `step_s` (CUDA synchronised at both ends), `iter_s` (from the previous step's
+  end: adds data loading), process CPU time, memory before / peak, collective counts and bytes, and the drift probe
+  (resident MiB from `/proc/self/statm`, OS threads, live process groups). One step may instead run under
+  `torch.profiler` (`profile_step`): its self CPU time split by `report.categorize_ops`, kept out of `steps`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+# What one all_to_all_single / other collective sends to other ranks, given its bytes `n` and group size `ws`.
+_VOLUME: dict[str, tuple[str, Callable[[int, int], float]]] = {
+    "all_gather": ("tensor", lambda n, ws: n * (ws - 1)),
+    "all_gather_into_tensor": ("input_tensor", lambda n, ws: n * (ws - 1)),
+    "all_reduce": ("tensor", lambda n, ws: 2 * n * (ws - 1) / ws),
+    "reduce_scatter_tensor": ("input", lambda n, ws: n * (ws - 1) / ws),
+    "broadcast": ("tensor", lambda n, ws: n),
+}
+A2A = "all_to_all_single"
+
+
+class CommCounter:
+    """Process-wide counters of the collectives issued through `torch.distributed` (any thread).
+
+    Unlike a ContextVar this also sees collectives run by autograd's device threads (CUDA backward).
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.totals: dict[str, list[float]] = {}  # op -> [calls, bytes sent to other ranks, seconds]
+        self._pending: list[tuple[str, Any, Any]] = []  # CUDA events resolved in flush()
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        for op in (A2A, *_VOLUME):
+            original = getattr(dist, op)
+            setattr(dist, op, self._wrap(op, original, inspect.signature(original)))
+
+    def _wrap(self, op: str, original: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
+        import torch
+        import torch.distributed as dist
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            group = bound.get("group")
+            ws = dist.get_world_size(group)
+            if op == A2A:
+                x = bound["input"]
+                n = x.numel() * x.element_size()
+                splits = bound.get("input_split_sizes")
+                if splits:
+                    me = dist.get_group_rank(group, dist.get_rank()) if group is not None else dist.get_rank()
+                    sent = n - n * splits[me] / x.shape[0]
+                else:
+                    sent = n * (ws - 1) / ws
+            else:
+                key, volume = _VOLUME[op]
+                x = bound[key]
+                sent = volume(x.numel() * x.element_size(), ws)
+            on_cuda = self.cuda and x.is_cuda
+            if on_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            seconds = time.perf_counter() - t0
+            stat = self.totals.setdefault(op, [0, 0.0, 0.0])
+            stat[0] += 1
+            stat[1] += sent
+            if on_cuda:
+                end.record()
+                self._pending.append((op, start, end))
+            else:
+                stat[2] += seconds
+            return out
+
+        wrapper.__wrapped__ = original
+        return wrapper
+
+    def flush(self) -> None:
+        """Add the elapsed time of recorded CUDA events (call after `torch.cuda.synchronize()`)."""
+        for op, start, end in self._pending:
+            self.totals[op][2] += start.elapsed_time(end) / 1000
+        self._pending.clear()
+
+    def snapshot(self) -> dict[str, list[float]]:
+        return {op: list(v) for op, v in self.totals.items()}
+
+
+def _diff(after: dict[str, list[float]], before: dict[str, list[float]]) -> dict[str, list[float]]:
+    out = {}
+    for op, (calls, sent, secs) in after.items():
+        b = before.get(op, [0, 0.0, 0.0])
+        if calls - b[0]:
+            out[op] = [int(calls - b[0]), sent - b[1], secs - b[2]]
+    return out
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.M).group(1))
+
+
+class StepMemory:
+    """Per-step peak memory: RSS high-water mark (CPU) or the CUDA allocator peak (GPU)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.process_peak = 0
+        self._sampler = None
+        self.method = "cuda_max_memory_allocated" if cuda else "proc_clear_refs_VmHWM"
+        if not cuda:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:  # not allowed here: sample RSS from a thread instead
+                self.method = "rss_sampler_thread"
+
+    def begin(self) -> int:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.process_peak = max(self.process_peak, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        if self.method == "rss_sampler_thread":
+            from hf_longctx.instrument import PeakMemorySampler
+
+            self._sampler = PeakMemorySampler().__enter__()
+            return self._sampler.start
+        self.process_peak = max(self.process_peak, _proc_status("VmHWM") * 1024)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        return _proc_status("VmRSS") * 1024
+
+    def end(self) -> int:
+        import torch
+
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated()
+        elif self._sampler is not None:
+            self._sampler.__exit__(None, None, None)
+            peak, self._sampler = self._sampler.peak, None
+        else:
+            peak = _proc_status("VmHWM") * 1024
+        self.process_peak = max(self.process_peak, peak)
+        return peak
+
+
+def _op_events(prof: Any) -> list[tuple[float, list[str]]]:
+    """Per profiler event: self CPU seconds and the names of the event and its ancestors, innermost first."""
+    out = []
+    for ev in prof.events():
+        chain, node = [], ev
+        while node is not None:
+            chain.append(node.name)
+            node = node.cpu_parent
+        out.append((ev.self_cpu_time_total / 1e6, chain))
+    return out
+
+
+def probe_sample() -> dict[str, float]:
+    """Resident MiB, OS threads and live process groups of this process, now (what a leak would raise)."""
+    import torch.distributed as dist
+
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    threads = _proc_status("Threads")
+    groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+    return {"rss_mib": rss, "threads": threads, "groups": groups}
+
+
+def recorder(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool, profile_step: int | None) -> Any:
+    """The `TrainerCallback` that fills `.steps` (and `.op_profile` for the step numbered `profile_step`)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from benchmarks.report import categorize_ops
+
+    def hf_ops() -> dict[str, list[float]]:  # every op hf_longctx counts (all_to_all, ring_p2p, ...)
+        ops = hf_stats.ops.items() if hf_stats is not None else ()
+        return {op: [st.calls, st.bytes_sent, st.seconds] for op, st in ops}
+
+    class StepRecorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, Any]] = []
+            self.op_profile: dict[str, float] | None = None
+            self._seen, self._prof, self._last_end = 0, None, 0.0
+            self._before: dict[str, Any] = {}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._last_end = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._seen += 1
+            if self._seen - 1 == profile_step:
+                self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self._prof.__enter__()
+                return
+            mem = memory.begin()
+            if cuda:
+                counter.flush()
+            self._before = {"comm": counter.snapshot(), "hf_ops": hf_ops(), "mem": mem, "cpu": time.process_time()}
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self._prof is not None:
+                self._prof.__exit__(None, None, None)
+                self.op_profile, self._prof = categorize_ops(_op_events(self._prof)), None
+                self._last_end = time.perf_counter()
+                return
+            if cuda:
+                torch.cuda.synchronize()
+            t1, cpu = time.perf_counter(), time.process_time()
+            peak = memory.end()
+            if cuda:
+                counter.flush()
+            comm = _diff(counter.snapshot(), self._before["comm"])
+            ours = _diff(hf_ops(), self._before["hf_ops"])
+            a2a, hf_a2a = comm.pop(A2A, [0, 0.0, 0.0]), ours.get("all_to_all", [0, 0.0, 0.0])
+            self.steps.append(
+                {"step": state.global_step, "step_s": t1 - self._t0, "iter_s": t1 - self._last_end,
+                 "cpu_s": cpu - self._before["cpu"], "mem_before": self._before["mem"], "mem_peak": peak,
+                 "act_bytes": peak - self._before["mem"], "a2a_calls": a2a[0], "a2a_bytes": a2a[1], "a2a_s": a2a[2],
+                 "hf_a2a_calls": hf_a2a[0], "hf_a2a_bytes": hf_a2a[1], "hf_a2a_s": hf_a2a[2], "other_comm": comm,
+                 "hf_ops": ours, **probe_sample()}
+            )  # fmt: skip
+            self._last_end = t1
+
+    return StepRecorder()
