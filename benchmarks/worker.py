@@ -25,6 +25,7 @@ activations and every runtime buffer: what `hf-longctx plan` predicts).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -58,9 +59,9 @@ def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str |
     )
     torch.manual_seed(model_spec.get("seed", 0))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    if device is None:  # ZeRO-3 configured: from_config partitions (and offloads) the weights as they are made
-        return model_cls._from_config(config, attn_implementation=attn, dtype=torch_dtype)
-    with torch.device(device):  # GPU: built in place, never a full fp32 copy in host memory per rank
+    # GPU: built in place, never a full fp32 copy in host memory per rank; device None (ZeRO-3 configured):
+    # from_config partitions (and offloads) the weights as they are made.
+    with contextlib.nullcontext() if device is None else torch.device(device):
         return model_cls._from_config(config, attn_implementation=attn, dtype=torch_dtype)
 
 
