@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,13 @@ def write(prefix: str | Path, data: dict[str, Any], markdown: str, plots: Sequen
     print(text)
     print("wrote", f"{prefix}.json", f"{prefix}.md", *plots, flush=True)
     return text
+
+
+def line(rows: Iterable[dict[str, Any]], y: Callable[[dict[str, Any]], float | None], x: str = "seq_len",
+         **style: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """One `line_plots` line through `rows` (sorted by `x`, rows without a `y` left out); [] when none has one."""
+    pts = sorted((r[x], v) for r in rows if (v := y(r)) is not None)
+    return [{"x": [p[0] for p in pts], "y": [p[1] for p in pts], **style}] if pts else []
 
 
 def _pyplot():

@@ -149,16 +149,11 @@ def plot(table: list[dict[str, Any]], prefix: str) -> list[str]:
     paths = []
     for name, key, scale, ylabel in (("time", "step_s", 1.0, "step time (s)"),
                                      ("memory", "act_bytes", MiB, "activation MiB per rank")):  # fmt: skip
-        panels = []
-        for sp in sps:
-            lines = []
-            for label in IMPLS:
-                pts = sorted(
-                    (r["seq_len"], r[key] / scale) for r in table if (r["sp"], r["label"]) == (sp, label) and r[key]
-                )
-                if pts:
-                    lines.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "label": label})
-            panels.append({"title": f"SP={sp}", "ylabel": ylabel, "lines": lines, "logx": 2})
+        panels = [{"title": f"SP={sp}", "ylabel": ylabel, "logx": 2, "lines": [
+            ln for label in IMPLS for ln in _results.line(
+                [r for r in table if (r["sp"], r["label"]) == (sp, label)],
+                lambda r, key=key, scale=scale: r[key] / scale if r[key] else None, label=label)]}
+            for sp in sps]  # fmt: skip
         paths.append(_results.line_plots(f"{prefix}-{name}.png", panels, size=(6, 4)))
     return paths
 

@@ -26,14 +26,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import _results
+
 K = 1024
 TINY = {"arch": "llama", "vocab": 1024, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2,
         "head_dim": 16}  # fmt: skip
@@ -70,8 +70,12 @@ def launch(args: argparse.Namespace, seq_len: int, steps: int, out_dir: Path, cu
     return record
 
 
-def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / 2**30:.1f}"
+COLUMNS: list[_results.Column] = [
+    ("S", lambda r: str(r["seq_len"])), ("run", lambda r: r["kind"]), ("status", lambda r: r["status"]),
+    ("step s", lambda r: f"{r['steps'][-1]:.1f}" if r.get("steps") else "-"),
+    ("GPU peak GiB", lambda r: _results.fmt(r.get("gpu_peak_bytes"), ".1f", _results.GiB)),
+    ("host peak GiB", lambda r: _results.fmt(r.get("host_peak_bytes"), ".1f", _results.GiB)),
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,21 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_s = None
     if throughput["status"] == "ok" and len(throughput["steps"]) > 1:
         tokens_per_s = args.throughput_length / statistics.median(throughput["steps"][1:])
-    print(f"\n{args.shape} shape, one GPU, flags {sorted(FLAGS)}, ZeRO-3 offload, optim {args.optim}")
-    print(f"{'S':>9} {'status':>8} {'step s':>8} {'GPU peak GiB':>13} {'host peak GiB':>14}")
-    for r in records:
-        step = f"{r['steps'][-1]:.1f}" if r.get("steps") else "-"
-        print(
-            f"{r['seq_len']:>9} {r['status']:>8} {step:>8} {_gib(r.get('gpu_peak_bytes')):>13} "
-            f"{_gib(r.get('host_peak_bytes')):>14}  {r['kind']}"
-        )
-    print(f"longest sequence for one optimizer step: {longest} tokens (ALST on one H200: 1.2M)")
-    print(f"tokens/s at {args.throughput_length}: {tokens_per_s and round(tokens_per_s, 1)}")
-    prefix = args.out_prefix or str(ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-gpu-memory")
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    summary = {"longest": longest, "tokens_per_s": tokens_per_s, "args": vars(args), "records": records}
-    Path(f"{prefix}.json").write_text(json.dumps(summary, indent=1))
-    print("wrote", f"{prefix}.json")
+    head = (
+        f"# GPU memory ladder: {args.shape} shape, one GPU, flags {sorted(FLAGS)}, ZeRO-3 offload, optim {args.optim}"
+    )
+    tail = [f"Longest sequence for one optimizer step: {longest} tokens (ALST on one H200: 1.2M).",
+            f"Tokens/s at {args.throughput_length}: {tokens_per_s and round(tokens_per_s, 1)}."]  # fmt: skip
+    md = "\n".join([head, "", *_results.table(COLUMNS, records), "", *tail]) + "\n"
+    prefix = args.out_prefix or _results.RESULTS / f"{datetime.date.today().isoformat()}-gpu-memory"
+    _results.write(
+        prefix, {"longest": longest, "tokens_per_s": tokens_per_s, "args": vars(args), "records": records}, md
+    )
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -70,12 +69,12 @@ def _peak(record: dict[str, Any]) -> float | None:
 
 
 def run_all(args: argparse.Namespace, session: _harness.Session) -> list[dict[str, Any]]:
-    env = {"OMP_NUM_THREADS": "1", **_harness.MALLOC_ENV}
-
     def go(job: dict[str, Any]) -> dict[str, Any]:
         label = f"{job['section']} {job['variant']} {job['trainer']} S={job['seq_len']}"
         worker_spec = {k: v for k, v in job.items() if k not in ("variant", "section", "rep")}
-        return session.run(job, label, "benchmarks.worker:run", job["sp"], args.timeout, env=env, spec=worker_spec)
+        return session.run(
+            job, label, "benchmarks.worker:run", job["sp"], args.timeout, env=_harness.CPU_ENV, spec=worker_spec
+        )
 
     seq, steps, warmup = args.seq_len, args.steps, 1
     order = ["off", "ckpt", "flags", "upstream"]
@@ -136,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     prefix = Path(args.out_prefix or RESULTS / f"{datetime.date.today().isoformat()}-memory")
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
+        meta = data["meta"]  # results written before the shared harness: its header fields from the old ones
+        if "argv" in meta:
+            meta.update(command=" ".join(["python -m benchmarks.memory", *meta["argv"]]), total_wall_s=meta["wall_s"],
+                        load_start=meta["load_average_start"], load_end=meta["load_average_end"])  # fmt: skip
         prefix = Path(args.out_prefix or str(args.from_json).removesuffix(".json"))
     else:
         session = _harness.Session("python -m benchmarks.memory", argv, Path(tempfile.mkdtemp(prefix="bench-memory-")))
         records = run_all(args, session)
         meta = session.finish(lambda r: f"{r['spec']['section']} {r['spec']['variant']} S={r['spec']['seq_len']}")
         args_meta = {k: v for k, v in vars(args).items() if k != "from_json"}
-        meta.update(argv=sys.argv[1:] if argv is None else argv, args=args_meta, model=MODEL, flags=FLAGS)
-        load = {f"load_average_{k}": float(meta[f"load_{k}"].split()[0]) for k in ("start", "end")}
-        meta.update(wall_s=meta["total_wall_s"], **load)
+        meta.update(args=args_meta, model=MODEL, flags=FLAGS)
         data = {"meta": meta, "records": records}
     summary = summarize(data)
     _results.write(prefix, data, render_markdown(data["meta"], summary), plot(summary, str(prefix)))

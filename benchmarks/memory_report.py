@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks import _results
 from benchmarks._harness import median, ratio, slowest_rank_median
+from benchmarks._results import fmt
 
 GiB = 2**30
 TARGETS = {
@@ -93,10 +94,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return {"cells": table, "ladder": ladder, "longest": longest, "ratios": ratios, "failures": failures}
 
 
-def _f(x: float | None, spec: str = ".2f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def _verdict(name: str, value: float | None) -> str:
     key = name.removeprefix("trainer_").removeprefix("sft_").replace("cpu_time", "time")
     key = key.replace("packed_flags_", "packed_").replace("packed_tiled_loss_", "packed_")
@@ -109,16 +106,16 @@ def _verdict(name: str, value: float | None) -> str:
 
 
 _NAMES = {"off": "hf_longctx", "loss": "hf_longctx, tiled_loss", "flags": "hf_longctx, flags"}
-_TIMES: list[_results.Column] = [("step s (wall)", lambda c: _f(c["step_s"])),
-                                 ("step s (CPU)", lambda c: _f(c["cpu_s"]))]  # fmt: skip
+_TIMES: list[_results.Column] = [("step s (wall)", lambda c: fmt(c["step_s"])),
+                                 ("step s (CPU)", lambda c: fmt(c["cpu_s"]))]  # fmt: skip
 FLAG_COLUMNS: list[_results.Column] = [("trainer", lambda c: c["trainer"]), ("variant", lambda c: c["variant"]),
-    ("peak GiB / rank", lambda c: _f(c["peak_gib"], ".3f")), *_TIMES, ("runs", lambda c: str(c["runs"]))]  # fmt: skip
+    ("peak GiB / rank", lambda c: fmt(c["peak_gib"], ".3f")), *_TIMES, ("runs", lambda c: str(c["runs"]))]  # fmt: skip
 PACKED_COLUMNS: list[_results.Column] = [("variant", lambda c: _NAMES.get(c["variant"], c["variant"])),
-    ("peak GiB / rank", lambda c: _f(c["peak_gib"], ".3f")), *_TIMES,
-    ("first-step loss", lambda c: _f(c["first_loss"], ".6f")),
-    ("per-document reference loss", lambda c: _f(c["reference_loss"], ".6f"))]  # fmt: skip
+    ("peak GiB / rank", lambda c: fmt(c["peak_gib"], ".3f")), *_TIMES,
+    ("first-step loss", lambda c: fmt(c["first_loss"], ".6f")),
+    ("per-document reference loss", lambda c: fmt(c["reference_loss"], ".6f"))]  # fmt: skip
 LADDER_COLUMNS: list[_results.Column] = [("variant", lambda r: r["variant"]), ("S", lambda r: str(r["seq_len"])),
-    ("peak GiB / rank", lambda r: _f(r["peak_gib"], ".3f")),
+    ("peak GiB / rank", lambda r: fmt(r["peak_gib"], ".3f")),
     ("fits", lambda r: "yes" if r["fits"] else "no")]  # fmt: skip
 
 
@@ -132,9 +129,7 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
     lines = [
         f"# Memory benchmark, CPU ({meta['date']})",
         "",
-        f"`python -m benchmarks.memory {' '.join(meta['argv'])}`: {meta['wall_s'] / 60:.1f} min; load average "
-        f"{meta['load_average_start']:.1f} at the start, {meta['load_average_end']:.1f} at the end on "
-        f"{meta['cpus']} CPUs (other jobs shared the machine when the load exceeds the CPU count). Tiny Llama "
+        _results.run_line(meta) + " (Other jobs shared the machine when the load exceeds the CPU count.) Tiny Llama "
         f"{meta['model']}, SP=2 (2 processes, one thread each), DeepSpeed ZeRO-1, fp32, sdpa. Flags: "
         f"{', '.join(meta['flags'])}; ckpt = activation checkpointing only.",
         "",

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hf_longctx
+from benchmarks.worker import build_model
 from hf_longctx.instrument import record_collectives
 
 
@@ -30,21 +31,10 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     groups = hf_longctx.SequenceParallelGroups.build(dist.get_world_size())
-    config = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=args.seq_len,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    shape = {"arch": "llama", "vocab": 2048, "hidden": 128, "intermediate": 256, "layers": 2, "heads": 4,
+             "kv_heads": 4, "head_dim": 32, "max_positions": args.seq_len}  # fmt: skip
+    model = build_model(shape, "sdpa", "fp32", "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 2048, (1, args.seq_len), generator=torch.Generator().manual_seed(1))
     times: dict[str, list[float]] = {"off": [], "on": []}

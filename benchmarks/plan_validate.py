@@ -18,8 +18,7 @@ last less than its interval: with the memory flags the peak is one MLP tile's ba
 
 The planner predicts the same quantity with `--gpu cpu`. Its one free number, the CPU runtime term (what
 the Trainer, accelerate, gloo and autograd add beyond tensors), is calibrated once from the first point of
-the grid (`CALIBRATION`) and then used, unchanged, for every other point. Memory flags that the installed
-`ParallelismConfig` does not define yet are reported as "not measured".
+the grid (`CALIBRATION`) and then used, unchanged, for every other point.
 
 Writes `benchmarks/results/<date>-plan-cpu.{json,md}` (unless `--no-write`).
 """
@@ -126,14 +125,6 @@ def predict(point: dict[str, Any], runtime_gib: float):
     return estimate(shape, run_config(point), device)
 
 
-def missing_flags(point: dict[str, Any]) -> list[str]:
-    """Flags of the point that this checkout's `ParallelismConfig` does not have."""
-    import hf_longctx
-
-    names = {f.name for f in dataclasses.fields(hf_longctx.ParallelismConfig)}
-    return [k for k in point.get("flags", {}) if k not in names]
-
-
 def worker_spec(point: dict[str, Any]) -> dict[str, Any]:
     """The `benchmarks.worker` spec of a point: `STEPS` optimizer steps, stock Trainer, DDP (one rank: none)."""
     return {"impl": "hf_longctx", "engine": "ddp", "sp": point["sp"], "sp_options": point.get("flags", {}),
@@ -147,10 +138,9 @@ def measure(point: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
     peak over ranks of the resident growth from just before the model is built, and each rank's, in GiB."""
     from benchmarks import _harness
 
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **_harness.MALLOC_ENV}
     with tempfile.TemporaryDirectory(prefix="hf_longctx_plan_") as out_dir:
         record = _harness.job("benchmarks.worker:run", world_of(point), timeout, Path(out_dir), point["name"],
-                              env=env, spec=worker_spec(point))  # fmt: skip
+                              env=_harness.CPU_ENV, spec=worker_spec(point))  # fmt: skip
     if record["status"] != "ok":
         raise RuntimeError(f"{point['name']}: {record['status']} {record['error'][-800:]}")
     ranks = record["result"]["ranks"]
@@ -175,11 +165,6 @@ def validate(
     rows: list[dict[str, Any]] = []
     runtime, calibrated_on = None, None
     for point in points:
-        missing = missing_flags(point)
-        if missing:
-            rows.append({"name": point["name"], "status": f"not measured: ParallelismConfig lacks {missing}"})
-            log(f"{point['name']:28s} not measured (ParallelismConfig has no {missing} on this checkout)")
-            continue
         result = (measured or {}).get(point["name"]) or measure(point)
         if runtime is None:
             runtime, calibrated_on = calibrate(result["measured_gib"], point), point["name"]
@@ -208,25 +193,19 @@ def validate(
     return {**report, "rows": rows}
 
 
+COLUMNS: list[_results.Column] = [
+    ("point", lambda r: r["name"] + (" (calibration)" if r["status"] == "calibration" else "")),
+    ("measured GiB (max over ranks)", lambda r: f"{r['measured_gib']:.3f}"),
+    ("predicted GiB", lambda r: f"{r['predicted_gib']:.3f}"), ("error", lambda r: f"{100 * r['rel_error']:+.1f}%"),
+    ("peak phase", lambda r: r["peak_phase"]), ("dominant term", lambda r: r["dominant"]),
+]  # fmt: skip
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """The results table quoted in docs/planner.md."""
-    lines = [
-        f"CPU runtime term calibrated on `{report['calibrated_on']}`: {report['runtime_gib'] or 0.0:.3f} GiB; "
-        f"tolerance ±{100 * report['tolerance']:.0f}%.",
-        "",
-        "| point | measured GiB (max over ranks) | predicted GiB | error | peak phase | dominant term |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in report["rows"]:
-        if "measured_gib" not in row:
-            lines.append(f"| {row['name']} | {row['status']} | | | | |")
-            continue
-        tag = " (calibration)" if row["status"] == "calibration" else ""
-        lines.append(
-            f"| {row['name']}{tag} | {row['measured_gib']:.3f} | {row['predicted_gib']:.3f} | "
-            f"{100 * row['rel_error']:+.1f}% | {row['peak_phase']} | {row['dominant']} |"
-        )
-    return "\n".join(lines) + "\n"
+    head = (f"CPU runtime term calibrated on `{report['calibrated_on']}`: {report['runtime_gib'] or 0.0:.3f} GiB; "
+            f"tolerance ±{100 * report['tolerance']:.0f}%.")  # fmt: skip
+    return "\n".join([head, "", *_results.table(COLUMNS, report["rows"], align=" --- ")]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = None
     if args.repredict:
         rows = json.loads(Path(args.repredict).read_text())["rows"]
-        measured = {
-            r["name"]: {"measured_gib": r["measured_gib"], "per_rank_gib": r["per_rank_gib"]}
-            for r in rows
-            if "measured_gib" in r
-        }
+        measured = {r["name"]: {"measured_gib": r["measured_gib"], "per_rank_gib": r["per_rank_gib"]} for r in rows}
         points = [p for p in points if p["name"] in measured]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     report = validate(points, measured=measured)

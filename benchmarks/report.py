@@ -364,15 +364,10 @@ def headline(rows: Sequence[dict[str, Any]], min_seq: int = 8192) -> dict[str, A
     return out
 
 
-_COLORS = {"hf_longctx": "tab:blue", "upstream": "tab:orange"}
 _LINES = ("-", "--", "-.", ":")
-
-
-def _style(impl: str, sp_index: int) -> dict[str, Any]:
-    # hf_longctx: large hollow circles, upstream: small filled squares, so identical curves stay visible
-    marker = {"marker": "o", "markersize": 9, "markerfacecolor": "none"} if impl == "hf_longctx" else {}
-    marker = marker or {"marker": "s", "markersize": 4}
-    return {"color": _COLORS[impl], "linestyle": _LINES[sp_index % len(_LINES)], **marker}
+# hf_longctx: large hollow circles, upstream: small filled squares, so identical curves stay visible
+_STYLE = {"hf_longctx": {"color": "tab:blue", "marker": "o", "markersize": 9, "markerfacecolor": "none"},
+          "upstream": {"color": "tab:orange", "marker": "s", "markersize": 4}}  # fmt: skip
 
 
 def plot(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], prefix: str) -> list[str]:
@@ -381,53 +376,58 @@ def plot(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], prefix:
     models = sorted({r["model"] for r in rows} | {b["model"] for b in base})
 
     def lines(model: str, value: Callable[[dict[str, Any], str], float | None]) -> list[dict[str, Any]]:
-        out = []
-        for i, sp in enumerate(sps):
-            for impl in IMPLS:
-                pts = [(r["seq_len"], value(r, impl)) for r in rows if (r["model"], r["sp"]) == (model, sp)]
-                pts = [p for p in pts if p[1] is not None]
-                if pts:
-                    out.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "label": f"{impl} SP={sp}",
-                                **_style(impl, i)})  # fmt: skip
-        return out
+        return [
+            ln
+            for i, sp in enumerate(sps)
+            for impl in IMPLS
+            for ln in _results.line(
+                [r for r in rows if (r["model"], r["sp"]) == (model, sp)],
+                lambda r, impl=impl: value(r, impl),
+                label=f"{impl} SP={sp}",
+                linestyle=_LINES[i % len(_LINES)],
+                **_STYLE[impl],
+            )  # fmt: skip
+        ]
 
     def titled(title: str, model: str) -> str:
         return f"{title} ({model})" if len(models) > 1 else title
+
+    def scaled(key: str, scale: float) -> Callable[[dict[str, Any], str], float | None]:
+        return lambda r, impl: _fmt_none(_get(r, impl, key), scale)
+
+    def sp1(model: str, key: str, scale: float) -> list[dict[str, Any]]:
+        pts = [b for b in base if b["model"] == model]
+        style = {"label": "SP=1 (no SP)", "color": "black", "linestyle": ":", "marker": "^"}
+        return _results.line(pts, lambda b: _fmt_none(b.get(key), scale), **style)
+
+    def theory(model: str) -> list[dict[str, Any]]:
+        style = {"color": "gray", "lw": 4, "alpha": 0.35, "marker": ""}
+        return [ln for i, sp in enumerate(sps) for ln in _results.line(
+            [r for r in rows if (r["model"], r["sp"]) == (model, sp)], lambda r: r["theory_bytes"] / MiB,
+            label=f"theory SP={sp}", linestyle=_LINES[i % len(_LINES)], **style)]  # fmt: skip
 
     paths = []
     for name, key, scale, ylabel, title in (
         ("time", "step_s", 1.0, "step time (s)", "Step time vs sequence length"),
         ("memory", "act_bytes", MiB, "activation + transient memory per rank (MiB)", "Memory per rank vs S"),
     ):
-        panels = []
-        for model in models:
-            found = lines(model, lambda r, impl, key=key, scale=scale: _ratio_or_none(_get(r, impl, key), scale))
-            pts = [(b["seq_len"], b[key] / scale) for b in base if b["model"] == model and b.get(key) is not None]
-            if pts:
-                found.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "label": "SP=1 (no SP)",
-                              "color": "black", "linestyle": ":", "marker": "^"})  # fmt: skip
-            panels.append({"title": titled(title, model), "ylabel": ylabel, "lines": found, "logx": 2, "logy": True})
+        panels = [{"title": titled(title, m), "ylabel": ylabel, "logx": 2, "logy": True,
+                   "lines": lines(m, scaled(key, scale)) + sp1(m, key, scale)} for m in models]  # fmt: skip
         paths.append(_results.line_plots(f"{prefix}-{name}.png", panels, size=(7, 4.5)))
-    panels = []
     top = max(1.15, *(r["bytes_vs_theory"][i] or 0 for r in rows for i in IMPLS)) + 0.05
-    for model in models:
-        theory = [{"x": [r["seq_len"] for r in rows if (r["model"], r["sp"]) == (model, sp)],
-                   "y": [r["theory_bytes"] / MiB for r in rows if (r["model"], r["sp"]) == (model, sp)],
-                   "label": f"theory SP={sp}", "color": "gray", "lw": 4, "alpha": 0.35, "marker": "",
-                   "linestyle": _LINES[i % len(_LINES)]} for i, sp in enumerate(sps)]  # fmt: skip
-        sent = lines(model, lambda r, impl: _ratio_or_none(_get(r, impl, "a2a_bytes"), MiB))
-        panels.append({"title": titled("Collective bytes vs Ulysses minimum", model), "logx": 2, "logy": True,
-                       "ylabel": "all_to_all MiB sent per rank per step", "lines": theory + sent})  # fmt: skip
-        bound = [
-            {"y": 1.0, "color": "gray", "lw": 1},
-            {"y": 1.05, "color": "red", "lw": 1, "linestyle": ":", "label": "acceptance bound 1.05"},
-        ]
-        panels.append({"title": titled("Measured bytes / theoretical minimum", model), "ylabel": "measured / theory",
-                       "lines": lines(model, lambda r, impl: r["bytes_vs_theory"][impl] or None), "logx": 2,
+    bound = [{"y": 1.0, "color": "gray", "lw": 1},
+             {"y": 1.05, "color": "red", "lw": 1, "linestyle": ":", "label": "acceptance bound 1.05"}]  # fmt: skip
+    panels = []
+    for m in models:
+        panels.append({"title": titled("Collective bytes vs Ulysses minimum", m), "logx": 2, "logy": True,
+                       "ylabel": "all_to_all MiB sent per rank per step",
+                       "lines": theory(m) + lines(m, scaled("a2a_bytes", MiB))})  # fmt: skip
+        panels.append({"title": titled("Measured bytes / theoretical minimum", m), "ylabel": "measured / theory",
+                       "lines": lines(m, lambda r, impl: r["bytes_vs_theory"][impl] or None), "logx": 2,
                        "hlines": bound, "ylim": (0.9, top)})  # fmt: skip
     paths.append(_results.line_plots(f"{prefix}-bytes.png", panels, cols=2))
     return paths
 
 
-def _ratio_or_none(x: float | None, scale: float) -> float | None:
+def _fmt_none(x: float | None, scale: float) -> float | None:
     return None if x is None else x / scale

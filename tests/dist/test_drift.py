@@ -31,7 +31,7 @@ def test_short_run_does_not_drift(tmp_path, record_property):
     assert [len(samples) for samples in per_rank] == [STEPS, STEPS]
     assert all(summary["ok"].values()), summary["ok"]
     for rank in summary["ranks"]:
-        assert rank["rss_growth"] <= 0.01, rank
+        assert rank["rss_floor_growth"] <= 0.01, rank  # what a leak raises (the median swings with glibc)
         assert len(rank["threads"]) == 1, rank
         # The default group plus this rank's SP and DP groups, from the first step to the last.
         assert rank["groups"] == [3], rank

@@ -23,7 +23,7 @@ def _record(section, trainer, variant, seq_len, step_times, peaks, warmup=1, sta
 
 def _data(records):
     meta = {"args": {"budget_gib": 2.0, "seq_len": 16384, "doc_len": 1024, "max_seq": 65536}}
-    meta.update(date="d", argv=[], wall_s=60.0, load_average_start=1.0, load_average_end=1.0, cpus=2)
+    meta.update(date="d", command="python -m benchmarks.memory", total_wall_s=60.0, load_start="1.0", cpus=2)
     meta.update(model={}, flags={"tiled_loss": True})
     return {"meta": meta, "records": records}
 
