@@ -29,6 +29,7 @@ from hf_longctx.data.validation import ModelLimits
 from hf_longctx.distributed.comm import all_gather_sequence
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.distributed.ring_comm import ring_of
+from hf_longctx.multimodal.vision import install_vision_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +300,7 @@ def enable_sequence_parallel(
         handle._undo.append(hook.remove)
         hook = model.register_forward_hook(handle._check_layers)
         handle._undo.append(hook.remove)
+        handle._undo.extend(install_vision_hooks(model, handle))
         setattr(model, _HANDLE_ATTR, handle)
         handle._undo.append(lambda: delattr(model, _HANDLE_ATTR))
     except Exception:

@@ -1,0 +1,118 @@
+"""Vision-language models under SP: images and their merge on the full row, the decoder on shards.
+
+A VLM's top-level forward receives this rank's shard like any causal LM (hf_longctx shards every
+`[batch, seq]` tensor; `pixel_values` and the image grids are not). Two steps inside it need the whole
+row: placing the image features at the image tokens (`masked_scatter` over the row) and, for
+Qwen2.5-VL / Qwen3-VL, the 3-D mRoPE positions (computed from the token ids and image grids of the
+row). So, per forward:
+
+1. a pre-hook on the multimodal model (the module that owns `language_model`) all-gathers the shard's
+   `input_ids`, `attention_mask` and `mm_token_type_ids` over the SP group (small integer tensors) and
+   hands the model the full row; `position_ids` are dropped where the model computes its own
+   (mRoPE), and are the full row's otherwise;
+2. the vision tower therefore runs on every SP rank, on all images of the row (unsharded: at long
+   context it is small next to the decoder), and the features are merged on the full sequence;
+3. a pre-hook on the decoder (`language_model`) slices `inputs_embeds`, `position_ids`,
+   `attention_mask` and Qwen3-VL's DeepStack `visual_pos_masks` / `deepstack_visual_embeds` back to
+   this rank's shard, in the data's token layout; the decoder, the head and the loss run sharded.
+
+Gradients reach the vision tower through the slicing (each rank: the part from its own tokens) and
+are summed over the SP group like those of every other replicated parameter (the embeddings).
+Packed rows are refused for mRoPE models: their positions are computed per row, not per document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_longctx.data.layout import layout_indices, to_global_order
+from hf_longctx.distributed.comm import all_gather_sequence
+
+_VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+_FULL_ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
+_ROPE_FROM_IDS = ("compute_3d_position_ids", "get_rope_index")
+
+
+def multimodal_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that merges image features into the embeddings and calls `language_model`, or None
+    for a text-only model."""
+    for module in model.modules():
+        if "language_model" in module._modules and any(t in module._modules for t in _VISION_TOWERS):
+            return module
+    return None
+
+
+def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[], None]]:
+    """Hooks that run a VLM's vision side on the full row and its decoder on shards (module docstring).
+
+    `handle` is the model's `SequenceParallelHandle` (groups, token layout, the forward's context).
+    Returns the undo callables; none for a text-only model.
+    """
+    inner = multimodal_model(model)
+    if inner is None:
+        return []
+    groups, layout = handle.groups, handle.backend.layout
+    rope_from_ids = any(hasattr(inner, name) for name in _ROPE_FROM_IDS)
+    full_len: list[int] = []
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        full = all_gather_sequence(x.contiguous(), groups.sp_group)
+        return to_global_order(full, layout, groups.sp_world_size)
+
+    def full_row(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        if args:
+            raise ValueError(f"{type(module).__name__} must be called with keyword arguments under SP.")
+        context = handle.context
+        if kwargs.get("input_ids") is None or context is None:
+            raise ValueError(
+                "A vision-language model under sequence parallelism must be called with input_ids through its "
+                "top-level forward (the image tokens are placed on the full row)."
+            )
+        if rope_from_ids and not context.single_document:
+            raise ValueError(
+                f"{type(module).__name__} computes its 3-D (mRoPE) positions per row, so packed rows (positions "
+                "that restart) would train with positions unlike a run without SP. Pad rows instead of packing "
+                "them (e.g. SFTConfig(padding_free=False, packing=False))."
+            )
+        for key in _FULL_ROW_KEYS:
+            if isinstance(kwargs.get(key), torch.Tensor):
+                kwargs[key] = gather(kwargs[key])
+        full_len[:] = [kwargs["input_ids"].shape[1]]
+        kwargs["position_ids"] = None if rope_from_ids else context.position_ids.to(kwargs["input_ids"].device)
+        return args, kwargs
+
+    def shard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        if not full_len:
+            return args, kwargs  # the decoder called on its own (no image merge): already sharded
+        n = full_len.pop()
+        index = layout_indices(layout, groups.sp_rank, groups.sp_world_size, n)
+        mask, embeds = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+        if embeds is not None and isinstance(mask, torch.Tensor):  # one feature row per visual token of the row
+            rows = _visual_rows(mask, index)
+            kwargs["deepstack_visual_embeds"] = [e.index_select(0, rows.to(e.device)) for e in embeds]
+        for key in ("attention_mask", "visual_pos_masks"):
+            if isinstance(kwargs.get(key), torch.Tensor):
+                kwargs[key] = kwargs[key].index_select(1, index.to(kwargs[key].device))
+        embeds = kwargs["inputs_embeds"]
+        kwargs["inputs_embeds"] = embeds.index_select(1, index.to(embeds.device))
+        pos = kwargs.get("position_ids")
+        if pos is None:  # the model found no image to place (mRoPE): the decoder would count from 0 per shard
+            pos = torch.arange(n, device=embeds.device).expand(embeds.shape[0], n)
+        kwargs["position_ids"] = pos.index_select(pos.dim() - 1, index.to(pos.device))  # [bs, sl] or [3|4, bs, sl]
+        return args, kwargs
+
+    hooks = [
+        inner.register_forward_pre_hook(full_row, with_kwargs=True),
+        inner.language_model.register_forward_pre_hook(shard, with_kwargs=True),
+    ]
+    return [h.remove for h in hooks]
+
+
+def _visual_rows(full_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of the DeepStack features (one per visual token of the full row, row-major) that fall on `index`."""
+    index = index.to(full_mask.device)
+    order = (full_mask.flatten().long().cumsum(0) - 1).view_as(full_mask)
+    return order.index_select(1, index)[full_mask.index_select(1, index)]

@@ -1,0 +1,86 @@
+"""Vision-language models under SP are exact: Qwen2.5-VL and Qwen3-VL (DeepStack), SP=2 and SP=4 vs SP=1.
+
+The vision tower runs on every SP rank on the full row's images, the features are merged and the mRoPE
+positions computed on the full row, and the decoder runs on shards (`hf_longctx/multimodal/vision.py`).
+Compared with the plain model on the whole batch (no hf_longctx): the loss and every parameter's
+gradient, vision tower included; images straddle the shard boundaries, two images share a row next to a
+padded row with none, and one batch has no image at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import hf_longctx
+from tests._dist import run_distributed
+from tests.dist import _vlm as V
+from tests.dist._parity import GRAD_RTOL, LOSS_RTOL, grad_errors, loss_error
+
+BACKENDS = {2: ("ulysses", "ring"), 4: ("ulysses",)}
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # A row without images leaves the vision tower without gradients: zero, in the reference as under SP.
+    return {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def _reference(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    model = V.build(arch)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    shift = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), shift.flatten(), ignore_index=-100)
+    loss.backward()
+    return loss.item(), _grads(model)
+
+
+def vlm_worker(rank: int, world_size: int, archs: tuple[str, ...], backends: tuple[str, ...]) -> dict:
+    torch.set_num_threads(1)
+    groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    out = {}
+    for arch in archs:
+        for backend in backends:
+            for name, batch in V.cases().items():
+                model = V.build(arch)
+                with hf_longctx.enable_sequence_parallel(model, groups, backend):
+                    shard = hf_longctx.shard_batch(batch, groups)
+                    shift_labels = shard.pop("shift_labels")
+                    logits = model(**shard).logits
+                    loss = hf_longctx.sequence_parallel_loss(logits, shift_labels, groups)
+                    loss.backward()
+                grads = _grads(model)
+                flat = torch.cat([g.reshape(-1) for g in grads.values()])
+                dist.all_reduce(flat, group=groups.sp_group)  # the DP engine's sum over the SP group
+                flat /= world_size
+                offset, summed = 0, {}
+                for key, g in grads.items():
+                    summed[key] = flat[offset : offset + g.numel()].view_as(g)
+                    offset += g.numel()
+                if rank == 0:
+                    out[(arch, backend, name)] = (loss.item(), summed)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vlm_matches_single_process(world_size, record_property):
+    results = run_distributed(vlm_worker, world_size, V.ARCHS, BACKENDS[world_size], timeout=400)[0]
+    worst: dict[str, float] = {}
+    refs = {(arch, name): _reference(arch, batch) for arch in V.ARCHS for name, batch in V.cases().items()}
+    assert len(results) == len(V.ARCHS) * len(BACKENDS[world_size]) * len(V.cases())
+    for (arch, backend, name), (loss, grads) in results.items():
+        ref_loss, ref_grads = refs[(arch, name)]
+        assert loss_error(loss, ref_loss) <= LOSS_RTOL, (arch, backend, name, loss, ref_loss)
+        errors = grad_errors(grads, ref_grads)
+        bad = {k: v for k, v in errors.items() if v > GRAD_RTOL}
+        assert not bad, (arch, backend, name, bad)
+        vision = [k for k in grads if ".visual." in k or k.startswith("model.visual")]
+        assert vision, sorted(grads)[:5]
+        if name != "no_image":  # the vision tower really trains
+            assert any(float(ref_grads[k].abs().max()) > 0 for k in vision)
+        worst[f"{arch}/{backend}/{name}"] = max(errors.values())
+    record_property("max_grad_rel", worst)
