@@ -20,6 +20,10 @@ IGNORE_INDEX = -100
 # Padding-free metadata describes the *global* sequence; the attention rebuilds it from the
 # all-gathered position ids, so the per-batch copies are dropped rather than sliced.
 PACKING_METADATA_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Images and videos of a vision-language batch stay whole on every SP rank (`hf_longctx.multimodal`), whatever
+# their shape happens to be.
+VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
+               "image_sizes")  # fmt: skip
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -154,7 +158,8 @@ def prepare_global_batch(
         out["shift_labels"] = make_shift_labels(batch["labels"], pos.to(batch["labels"].device), mask)
 
     pad = -sl % multiple
-    seq_keys = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == (bs, sl)]
+    seq_keys = [k for k, v in out.items() if k not in VISION_KEYS and isinstance(v, torch.Tensor) and v.dim() >= 2
+                and v.shape[:2] == (bs, sl)]  # fmt: skip
     fills = {"input_ids": pad_token_id, "shift_labels": IGNORE_INDEX}
     for key in seq_keys:
         if key == "position_ids":

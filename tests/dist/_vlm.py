@@ -80,3 +80,47 @@ def cases() -> dict[str, dict[str, torch.Tensor]]:
         "two_rows": batch([row(37, [(3, (4, 4)), (27, (4, 4))], seed=2), row(29, [], seed=3)], 37),
         "no_image": batch([row(37, [], seed=4)], 37),
     }
+
+
+class RowDataset(torch.utils.data.Dataset):
+    """Rows of `row(...)` (token ids and image grids) with the seed of their image patches."""
+
+    def __init__(self) -> None:
+        specs = [[(8, (4, 4)), (17, (4, 6))], [], [(3, (4, 4)), (27, (4, 4))], [(20, (4, 4))], [], [(12, (6, 4))]]
+        self.rows = [(*row(37 - 4 * (i % 2), images, seed=10 + i), i) for i, images in enumerate(specs)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        ids, grids, seed = self.rows[i]
+        return {"ids": ids, "grids": grids, "seed": seed}
+
+
+def collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """A padded batch of `RowDataset` rows (patches seeded by the rows, so every rank draws the same)."""
+    seed = sum(f["seed"] * 7**i for i, f in enumerate(features))
+    return batch([(f["ids"], f["grids"]) for f in features], max(len(f["ids"]) for f in features), seed=seed)
+
+
+def trainer_worker(rank: int, world_size: int, out_dir: str, arch: str, sp_options: dict) -> dict:
+    """Three SGD steps of the stock Trainer (batch 2, no clipping) at SP=world_size; the logged steps."""
+    from transformers import Trainer, TrainingArguments
+
+    torch.set_num_threads(1)
+    parallelism = None
+    if world_size > 1:
+        import hf_longctx
+
+        parallelism = hf_longctx.ParallelismConfig(sp_size=world_size, **sp_options)
+    args = TrainingArguments(
+        output_dir=out_dir, use_cpu=True, report_to=[], disable_tqdm=True, seed=1, per_device_train_batch_size=2,
+        max_steps=3, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, lr_scheduler_type="constant",
+        logging_steps=1, save_strategy="no", remove_unused_columns=False, parallelism_config=parallelism,
+    )  # fmt: skip
+    model = build(arch)
+    trainer = Trainer(model=model, args=args, train_dataset=RowDataset(), data_collator=collate)
+    trainer.train()
+    logs = [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history
+            if "loss" in h]  # fmt: skip
+    return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation}

@@ -18,6 +18,7 @@ import hf_longctx
 from tests._dist import run_distributed
 from tests.dist import _vlm as V
 from tests.dist._parity import GRAD_RTOL, LOSS_RTOL, grad_errors, loss_error
+from tests.dist._trainer_utils import compare_logs
 
 BACKENDS = {2: ("ulysses", "ring"), 4: ("ulysses",)}
 
@@ -84,3 +85,16 @@ def test_vlm_matches_single_process(world_size, record_property):
             assert any(float(ref_grads[k].abs().max()) > 0 for k in vision)
         worst[f"{arch}/{backend}/{name}"] = max(errors.values())
     record_property("max_grad_rel", worst)
+
+
+@pytest.mark.parametrize("arch", V.ARCHS)
+def test_vlm_trainer_steps_match(arch, tmp_path, record_property):
+    """The stock Trainer with a VLM collator: per-step loss and grad_norm at SP=2 equal one process's."""
+    ref = run_distributed(V.trainer_worker, 1, str(tmp_path / "ref"), arch, {}, timeout=300)[0]
+    runs = run_distributed(V.trainer_worker, 2, str(tmp_path / "sp"), arch, {}, timeout=300)
+    worst = {}
+    for result in runs:
+        assert result["attn"].startswith("hf_longctx_"), result["attn"]
+        worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
+    assert len(ref["logs"]) == 3 and set(worst) == {"loss", "grad_norm"}
+    record_property("max_rel_diff", worst)

@@ -70,7 +70,7 @@ def prepare_trainer(trainer: Any, state: SequenceParallelState) -> None:
             "holds only a slice of it), so a loss function that shifts labels itself would be silently wrong. Make "
             "it use `labels` as given and mark it: compute_loss_func=hf_longctx.takes_shifted_labels(my_loss)."
         )
-    if not (trainer.model_accepts_loss_kwargs or loss_func is not None):
+    if not (trainer.model_accepts_loss_kwargs or loss_func is not None or _vlm_takes_loss_kwargs(trainer, state)):
         raise ValueError(
             f"{type(trainer.model).__name__}.forward does not accept num_items_in_batch (**kwargs), so the loss "
             "cannot be token-weighted across SP ranks; pass compute_loss_func (see hf_longctx.takes_shifted_labels)."
@@ -90,6 +90,31 @@ def prepare_trainer(trainer: Any, state: SequenceParallelState) -> None:
                 ref().label_smoother = smoother
 
         state.undo.append(restore)
+
+
+def _vlm_takes_loss_kwargs(trainer: Any, state: SequenceParallelState) -> bool:
+    """Let a vision-language model's loss be token-weighted over the SP group (True when it is done).
+
+    Qwen2.5-VL, Qwen3-VL and other VLMs set `accepts_loss_kwargs = False`, so Trainer gives them no
+    `num_items_in_batch` and each SP rank would average over its own shard's tokens: a wrong loss whenever
+    the shards hold different numbers of labels. Their forward does hand `**kwargs` to `loss_function`, so
+    under SP Trainer is told to pass it; at gradient_accumulation_steps=1 that is exactly the batch mean
+    the model computes without SP, and with accumulation it is the token mean over the accumulated batch,
+    as for every text model under hf_longctx.
+    """
+    import inspect
+
+    from hf_longctx.multimodal.vision import multimodal_model
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(model.forward).parameters.values()
+    if multimodal_model(model) is None or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return False
+    trainer.model_accepts_loss_kwargs = True
+    ref = weakref.ref(trainer)
+    state.undo.append(lambda: setattr(ref(), "model_accepts_loss_kwargs", False) if ref() is not None else None)
+    return True
 
 
 def _get_sp_size(original):
