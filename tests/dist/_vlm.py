@@ -55,7 +55,7 @@ def row(length: int, images: list[tuple[int, tuple[int, int]]], seed: int) -> tu
     return ids.tolist(), grids
 
 
-def batch(rows: list[tuple[list[int], list[tuple]]], pad_to: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def batch(rows: list[tuple[list[int], list[tuple]]], pad_to: int, seed: int | list[int] = 0) -> dict[str, torch.Tensor]:
     """A right-padded batch with labels, `mm_token_type_ids` and the images' patches (none: no image keys)."""
     ids = torch.zeros(len(rows), pad_to, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -64,9 +64,11 @@ def batch(rows: list[tuple[list[int], list[tuple]]], pad_to: int, seed: int = 0)
     labels = ids.masked_fill(mask == 0, -100).masked_fill(ids == IMAGE, -100)
     out = {"input_ids": ids, "attention_mask": mask, "labels": labels, "mm_token_type_ids": (ids == IMAGE).long()}
     grids = [g for _, gs in rows for g in gs]
-    if grids:
-        patches = sum(t * h * w for t, h, w in grids)
-        out["pixel_values"] = torch.randn(patches, PATCH_DIM, generator=torch.Generator().manual_seed(seed))
+    if grids:  # each row's patches from its own seed: a batch's pixels do not depend on the order of its rows
+        seeds = seed if isinstance(seed, list) else [seed + b for b in range(len(rows))]
+        out["pixel_values"] = torch.cat([
+            torch.randn(sum(t * h * w for t, h, w in gs), PATCH_DIM, generator=torch.Generator().manual_seed(s))
+            for (_, gs), s in zip(rows, seeds, strict=True)])  # fmt: skip
         out["image_grid_thw"] = torch.tensor(grids)
     return out
 
@@ -98,14 +100,15 @@ class RowDataset(torch.utils.data.Dataset):
 
 
 def collate(features: list[dict]) -> dict[str, torch.Tensor]:
-    """A padded batch of `RowDataset` rows (patches seeded by the rows, so every rank draws the same)."""
-    seed = sum(f["seed"] * 7**i for i, f in enumerate(features))
-    return batch([(f["ids"], f["grids"]) for f in features], max(len(f["ids"]) for f in features), seed=seed)
+    """A padded batch of `RowDataset` rows (each row's patches seeded by the row)."""
+    seeds = [f["seed"] for f in features]
+    return batch([(f["ids"], f["grids"]) for f in features], max(len(f["ids"]) for f in features), seed=seeds)
 
 
 def trainer_worker(rank: int, world_size: int, out_dir: str, arch: str, sp_options: dict) -> dict:
-    """Three SGD steps of the stock Trainer (batch 2, no clipping) at SP=world_size; the logged steps."""
-    from transformers import Trainer, TrainingArguments
+    """Three SGD steps of the stock Trainer (batch 2, no clipping) at SP=world_size: the logged steps and
+    every parameter's gradient in the first step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     torch.set_num_threads(1)
     parallelism = None
@@ -119,8 +122,16 @@ def trainer_worker(rank: int, world_size: int, out_dir: str, arch: str, sp_optio
         logging_steps=1, save_strategy="no", remove_unused_columns=False, parallelism_config=parallelism,
     )  # fmt: skip
     model = build(arch)
-    trainer = Trainer(model=model, args=args, train_dataset=RowDataset(), data_collator=collate)
+    first: dict[str, torch.Tensor] = {}
+
+    class FirstGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if not first:  # after DDP's reduction: what the optimizer applies
+                first.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    trainer = Trainer(model=model, args=args, train_dataset=RowDataset(), data_collator=collate,
+                      callbacks=[FirstGradients()])  # fmt: skip
     trainer.train()
     logs = [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history
             if "loss" in h]  # fmt: skip
-    return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation}
+    return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation, "first_grads": first}

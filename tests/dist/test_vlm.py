@@ -87,14 +87,25 @@ def test_vlm_matches_single_process(world_size, record_property):
     record_property("max_grad_rel", worst)
 
 
+def _compare_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Every parameter's gradient within GRAD_RTOL of its own scale; the vision tower's among them."""
+    errors = grad_errors(got, want)
+    bad = {k: v for k, v in errors.items() if v > GRAD_RTOL}
+    assert not bad, bad
+    assert any(".visual." in k and float(v.abs().max()) > 0 for k, v in want.items())  # the vision tower trained
+    return max(errors.values())
+
+
 @pytest.mark.parametrize("arch", V.ARCHS)
 def test_vlm_trainer_steps_match(arch, tmp_path, record_property):
-    """The stock Trainer with a VLM collator: per-step loss and grad_norm at SP=2 equal one process's."""
+    """The stock Trainer with a VLM collator: per-step loss and grad_norm at SP=2 equal one process's, and
+    every parameter's gradient (after DDP) in the first step."""
     ref = run_distributed(V.trainer_worker, 1, str(tmp_path / "ref"), arch, {}, timeout=300)[0]
     runs = run_distributed(V.trainer_worker, 2, str(tmp_path / "sp"), arch, {}, timeout=300)
     worst = {}
     for result in runs:
         assert result["attn"].startswith("hf_longctx_"), result["attn"]
         worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
-    assert len(ref["logs"]) == 3 and set(worst) == {"loss", "grad_norm"}
+        worst["first_grads"] = _compare_grads(result["first_grads"], ref["first_grads"])
+    assert len(ref["logs"]) == 3 and set(worst) == {"loss", "grad_norm", "first_grads"}
     record_property("max_rel_diff", worst)
