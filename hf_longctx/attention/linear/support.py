@@ -75,6 +75,15 @@ def _refuse(model: torch.nn.Module, what: str, reason: str) -> ValueError:
     )
 
 
+def _layer_type(model: torch.nn.Module, name: str) -> str:
+    # " (layer type 'linear_attention')" for a module under decoder.layers.<i>, when the config names types.
+    parts = name.split(".")
+    kinds = getattr(_text_config(model), "layer_types", None) or []
+    if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < len(kinds):
+        return f" (layer type {kinds[int(parts[1])]!r})"
+    return ""
+
+
 def check_token_mixers(model: torch.nn.Module, sp_size: int = 1) -> None:
     """Refuse models that mix tokens in a way SP cannot shard exactly, before any step runs.
 
@@ -94,11 +103,12 @@ def check_token_mixers(model: torch.nn.Module, sp_size: int = 1) -> None:
             ADAPTERS[kind].check_heads(module, name, sp_size)
             supported.append(name)
         elif kind in REFUSED:
-            raise _refuse(model, f"{name} is {kind}", REFUSED[kind])
+            raise _refuse(model, f"{name}{_layer_type(model, name)} is {kind}", REFUSED[kind])
     for name, module in decoder.named_modules():
         inside = any(name == s or name.startswith(f"{s}.") for s in supported)
         if isinstance(module, torch.nn.Conv1d) and not inside:
-            raise _refuse(model, f"a Conv1d over the sequence ({name})", "which has no head-parallel adapter")
+            what = f"a Conv1d over the sequence ({name}){_layer_type(model, name)}"
+            raise _refuse(model, what, "which has no head-parallel adapter")
     kinds = getattr(_text_config(model), "layer_types", None) or []
     layers = getattr(decoder, "layers", None)
     for index, kind in enumerate(kinds):
