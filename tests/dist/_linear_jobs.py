@@ -157,7 +157,8 @@ def parity_worker(rank: int, world_size: int, combos: tuple[tuple[str, str, bool
         model = tiny_qwen3_next()
         if checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
-        with hf_longctx.enable_sequence_parallel(model, groups, backend) as handle:
+        options = {"ulysses_degree": 2} if backend == "hybrid" else {}  # Ulysses x ring, not plain Ulysses
+        with hf_longctx.enable_sequence_parallel(model, groups, backend, **options) as handle:
             shard = hf_longctx.shard_batch(make_batch(case), groups)
             shift_labels = shard.pop("shift_labels")
             loss = hf_longctx.sequence_parallel_loss(model(**shard).logits, shift_labels, groups)

@@ -24,7 +24,12 @@ COMBOS_2 = (
     ("ring", "packed_bs2", False),
     ("ulysses", "packed3", True),
 )
-COMBOS_4 = (("ulysses", "packed_bs2", False), ("auto", "padded_bs2", False), ("ring", "packed3", False))
+COMBOS_4 = (
+    ("ulysses", "packed_bs2", False),
+    ("auto", "padded_bs2", False),
+    ("ring", "packed3", False),
+    ("hybrid", "packed3", False),
+)
 
 _runs: dict[int, object] = {}
 _refs: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}
@@ -95,3 +100,5 @@ def test_sp4_matches_the_unsharded_model(combo):
     results = _spawn(4, COMBOS_4)
     _assert_exact(results[0][combo], combo[1])
     assert len({r[combo]["loss"] for r in results}) == 1
+    if combo[0] in ("ring", "hybrid"):
+        assert results[0][combo]["ran"] == (combo[0], "zigzag")

@@ -16,6 +16,8 @@ per document, boundaries from the global `position_ids`), as upstream's FLA kern
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -86,8 +88,8 @@ class _LocalHeads:
         self.out_proj = _identity
 
     def __getattr__(self, name: str) -> Any:
-        attribute = getattr(type(self._module), name, None)
-        if callable(attribute) and hasattr(attribute, "__get__") and not isinstance(attribute, type):
+        attribute = inspect.getattr_static(type(self._module), name, None)
+        if isinstance(attribute, types.FunctionType):
             return attribute.__get__(self)  # the class's methods read this view's head counts
         return getattr(self._module, name)
 
