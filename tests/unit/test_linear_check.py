@@ -78,3 +78,24 @@ def test_enable_and_remove_leave_the_layers_as_they_were():
         assert "forward" in vars(layer)
     assert "forward" not in vars(layer)
     assert type(layer).forward is layer.forward.__func__
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "sp", "said"),
+    [
+        ("qwen3_next", {"linear_num_key_heads": 2, "linear_num_value_heads": 4}, "4", "sp_size values that work"),
+        ("bamba", {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16}, "2", "is BambaMixer"),
+    ],
+)
+def test_hf_longctx_check_refuses_before_launching(tmp_path, capsys, monkeypatch, model_type, extra, sp, said):
+    import hf_longctx.check.worker
+    from hf_longctx.cli import main
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("nothing may be launched for a refused model")
+
+    monkeypatch.setattr(hf_longctx.check.worker.subprocess, "Popen", no_launch)
+    AutoConfig.for_model(model_type, **TINY, num_hidden_layers=2, **extra).save_pretrained(tmp_path)
+    code = main(["check", "--model", str(tmp_path), "--sp", sp])
+    out = capsys.readouterr().out
+    assert code == 2 and said in out, out
