@@ -1,4 +1,4 @@
-"""Qwen3-Next (Gated DeltaNet + gated attention + MoE) under SP: the tiny model, the batches, the reference.
+"""Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated attention) under SP: tiny models, the batches, the reference.
 
 The reference is the plain upstream model (hf_longctx not enabled) run once per document of each row,
 positions from 0, padding left out: the state of every document starts fresh, which is what a packed row
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
 import hf_longctx
 
@@ -37,9 +37,15 @@ CASES = {
 A_RANGE = (0.01, 1.0)
 
 
-def tiny_qwen3_next(seed: int = 0, key_heads: int = 4, value_heads: int = 8) -> torch.nn.Module:
-    """Linear, full and linear attention layers; MoE (4 experts, top 2, shared expert) on every layer."""
-    config = Qwen3NextConfig(
+ARCHS = {"qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM), "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM)}
+# Qwen3-Next only: MoE (4 experts, top 2, shared expert) on every layer. Qwen3.5 (text) has dense MLPs.
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+
+
+def tiny_qwen3_next(seed: int = 0, key_heads: int = 4, value_heads: int = 8, arch: str = "qwen3_next"):
+    """Linear, full and linear attention layers, hidden 64, float32, train mode (`arch`: see `ARCHS`)."""
+    config_class, model_class = ARCHS[arch]
+    config = config_class(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -52,18 +58,15 @@ def tiny_qwen3_next(seed: int = 0, key_heads: int = 4, value_heads: int = 8) -> 
         linear_num_value_heads=value_heads,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
         max_position_embeddings=512,
         use_cache=False,
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
+        **(_MOE if arch == "qwen3_next" else {}),
     )
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = model_class._from_config(config, attn_implementation="sdpa")
     gen = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if hasattr(module, "A_log"):
@@ -149,12 +152,12 @@ def _averaged_grads(model: torch.nn.Module, groups) -> dict[str, torch.Tensor]:
     return out
 
 
-def parity_worker(rank: int, world_size: int, combos: tuple[tuple[str, str, bool], ...]) -> dict:
-    """Every (backend, case, checkpointing) at SP=world_size: loss, averaged gradients, what ran."""
+def parity_worker(rank: int, world_size: int, combos: tuple[tuple[str, str, str, bool], ...]) -> dict:
+    """Every (arch, backend, case, checkpointing) at SP=world_size: loss, averaged gradients, what ran."""
     groups = hf_longctx.SequenceParallelGroups.build(world_size)
     results = {}
-    for backend, case, checkpointing in combos:
-        model = tiny_qwen3_next()
+    for arch, backend, case, checkpointing in combos:
+        model = tiny_qwen3_next(arch=arch)
         if checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         options = {"ulysses_degree": 2} if backend == "hybrid" else {}  # Ulysses x ring, not plain Ulysses
@@ -167,7 +170,7 @@ def parity_worker(rank: int, world_size: int, combos: tuple[tuple[str, str, bool
             ran = (handle.backend.name, handle.backend.layout)
         patched_after = any("forward" in vars(m) for m in model.modules())
         grads = _averaged_grads(model, groups)  # a collective: every rank takes part
-        results[(backend, case, checkpointing)] = {
+        results[(arch, backend, case, checkpointing)] = {
             "loss": loss.item(),
             "grads": grads if rank == 0 else None,
             "calls": calls,

@@ -1,4 +1,4 @@
-"""Qwen3-Next under SP is exact: Gated DeltaNet layers head-parallel, the gated attention layer by the backend.
+"""Qwen3-Next and Qwen3.5 under SP are exact: Gated DeltaNet layers head-parallel, gated attention by the backend.
 
 SP=2 (ulysses, auto, ring: contiguous and zigzag token layouts) and SP=4 (slow) against the plain upstream
 model in this process, one forward per document (`_linear_jobs.reference`): loss rel <= 1e-6 and every
@@ -17,22 +17,26 @@ from tests._dist import run_distributed
 from tests.dist import _linear_jobs as J
 
 SPAWN_TIMEOUT_S = 300
+NEXT, Q35 = "qwen3_next", "qwen3_5"
 COMBOS_2 = (
-    *(("ulysses", case, False) for case in J.CASES),
-    ("auto", "single", False),
-    ("auto", "packed3", False),
-    ("ring", "packed_bs2", False),
-    ("ulysses", "packed3", True),
+    *((NEXT, "ulysses", case, False) for case in J.CASES),
+    (NEXT, "auto", "single", False),
+    (NEXT, "auto", "packed3", False),
+    (NEXT, "ring", "packed_bs2", False),
+    (NEXT, "ulysses", "packed3", True),
+    (Q35, "ulysses", "packed_bs2", False),
+    (Q35, "ring", "padded_bs2", False),
 )
 COMBOS_4 = (
-    ("ulysses", "packed_bs2", False),
-    ("auto", "padded_bs2", False),
-    ("ring", "packed3", False),
-    ("hybrid", "packed3", False),
+    (NEXT, "ulysses", "packed_bs2", False),
+    (NEXT, "auto", "padded_bs2", False),
+    (NEXT, "ring", "packed3", False),
+    (NEXT, "hybrid", "packed3", False),
+    (Q35, "ulysses", "packed3", False),
 )
 
 _runs: dict[int, object] = {}
-_refs: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}
+_refs: dict[tuple[str, str], tuple[float, dict[str, torch.Tensor]]] = {}
 PADDED_LEN = 152  # SEQ_LEN 151 padded to a multiple of 2, 4 (zigzag at SP=2, contiguous at SP=4) and 8
 
 
@@ -47,14 +51,14 @@ def _spawn(world_size: int, combos) -> dict:
     return _runs[world_size]
 
 
-def _reference(case: str) -> tuple[float, dict[str, torch.Tensor]]:
-    if case not in _refs:
-        _refs[case] = J.reference(J.tiny_qwen3_next(), case, PADDED_LEN)
-    return _refs[case]
+def _reference(arch: str, case: str) -> tuple[float, dict[str, torch.Tensor]]:
+    if (arch, case) not in _refs:
+        _refs[(arch, case)] = J.reference(J.tiny_qwen3_next(arch=arch), case, PADDED_LEN)
+    return _refs[(arch, case)]
 
 
-def _assert_exact(result: dict, case: str) -> None:
-    ref_loss, ref_grads = _reference(case)
+def _assert_exact(result: dict, arch: str, case: str) -> None:
+    ref_loss, ref_grads = _reference(arch, case)
     assert abs(result["loss"] - ref_loss) / abs(ref_loss) <= J.LOSS_RTOL, (result["loss"], ref_loss)
     grads = result["grads"]
     assert grads.keys() == ref_grads.keys()
@@ -71,8 +75,8 @@ def _assert_exact(result: dict, case: str) -> None:
 @pytest.mark.parametrize("combo", COMBOS_2, ids=lambda c: "-".join(map(str, c)))
 def test_sp2_matches_the_unsharded_model(combo):
     results = _spawn(2, COMBOS_2)
-    backend, case, _ = combo
-    _assert_exact(results[0][combo], case)
+    arch, backend, case, _ = combo
+    _assert_exact(results[0][combo], arch, case)
     assert [r[combo]["loss"] for r in results] == [results[0][combo]["loss"]] * 2
     # Every decoder layer ran through SP: 1 attention layer, 2 head-parallel linear layers (more under checkpointing).
     attention, linear = results[0][combo]["calls"]
@@ -84,7 +88,7 @@ def test_sp2_matches_the_unsharded_model(combo):
 
 def test_auto_resolves_to_a_backend_and_stays_exact():
     results = _spawn(2, COMBOS_2)
-    assert results[0][("auto", "single", False)]["ran"][0] in ("ulysses", "ring", "hybrid")
+    assert results[0][(NEXT, "auto", "single", False)]["ran"][0] in ("ulysses", "ring", "hybrid")
 
 
 def test_upstream_torch_path_carries_state_across_packed_documents():
@@ -98,7 +102,8 @@ def test_upstream_torch_path_carries_state_across_packed_documents():
 @pytest.mark.parametrize("combo", COMBOS_4, ids=lambda c: "-".join(map(str, c)))
 def test_sp4_matches_the_unsharded_model(combo):
     results = _spawn(4, COMBOS_4)
-    _assert_exact(results[0][combo], combo[1])
+    arch, backend, case, _ = combo
+    _assert_exact(results[0][combo], arch, case)
     assert len({r[combo]["loss"] for r in results}) == 1
-    if combo[0] in ("ring", "hybrid"):
-        assert results[0][combo]["ran"] == (combo[0], "zigzag")
+    if backend in ("ring", "hybrid"):
+        assert results[0][combo]["ran"] == (backend, "zigzag")

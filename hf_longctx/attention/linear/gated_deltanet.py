@@ -1,13 +1,13 @@
-"""Head-parallel Gated DeltaNet (Qwen3-Next): sequence shards -> key-head shards -> the layer's own code -> back.
+"""Head-parallel Gated DeltaNet (Qwen3-Next, Qwen3.5): sequence shards -> key-head shards -> the layer's own code.
 
-In `Qwen3NextGatedDeltaNet.forward` only the short causal convolution and the chunked gated delta rule
-mix tokens; the input projections, beta and the decay, the per-head gated RMSNorm and `out_proj` are
-token-local. So, the same shape as Ulysses attention: each rank projects its own tokens, one all-to-all
-hands every rank whole key-head groups (q, k, v, z, b, a of those heads; the projections are laid out
-group by group) for the FULL sequence, the layer's own forward runs on `_LocalHeads` (a view with the
-local head counts and the matching slices of `conv1d`, `A_log` and `dt_bias`: its own convolution and
-kernel, FLA where installed, the torch fallback otherwise), and one all-to-all brings the per-head
-outputs back to the sequence shards before `out_proj`.
+In the layer's forward only the short causal convolution and the chunked gated delta rule mix tokens;
+the input projections, beta and the decay, the per-head gated RMSNorm and `out_proj` are token-local.
+So, the same shape as Ulysses attention: each rank projects its own tokens and groups them by key head
+(q, k, v, z, b, a of each key head and the value heads it serves: `LAYOUTS`), one all-to-all hands every
+rank whole key-head groups for the FULL sequence, the layer's own forward runs on `_LocalHeads` (a view
+with the local head counts, `in_proj_*` reading the exchanged groups back, and the matching slices of
+`conv1d`, `A_log` and `dt_bias`: its own convolution and kernel, FLA where installed, the torch fallback
+otherwise), and one all-to-all brings the per-head outputs back to the sequence shards before `out_proj`.
 
 Packed rows: every document starts with a fresh convolution and recurrent state (the layer runs once
 per document, boundaries from the global `position_ids`), as upstream's FLA kernels do with
@@ -28,7 +28,54 @@ from hf_longctx.data.layout import gathered_order, to_global_order
 from hf_longctx.distributed.comm import all_to_all
 from hf_longctx.distributed.groups import SequenceParallelGroups
 
-CLASS_NAME = "Qwen3NextGatedDeltaNet"
+Projections = dict[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _pack_qwen3_next(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    # in_proj_qkvz / in_proj_ba are laid out key head by key head already.
+    nk = module.num_k_heads
+    qkvz, ba = module.in_proj_qkvz(hidden).unflatten(-1, (nk, -1)), module.in_proj_ba(hidden).unflatten(-1, (nk, -1))
+    return torch.cat([qkvz, ba], dim=-1)
+
+
+def _unpack_qwen3_next(module: torch.nn.Module) -> Projections:
+    width = 2 * module.head_k_dim + 2 * module.head_v_dim * (module.num_v_heads // module.num_k_heads)
+    return {"in_proj_qkvz": lambda x: x[..., :width].flatten(2), "in_proj_ba": lambda x: x[..., width:].flatten(2)}
+
+
+def _widths_qwen3_5(module: torch.nn.Module) -> list[int]:
+    ratio = module.num_v_heads // module.num_k_heads  # value heads per key head
+    return [module.head_k_dim, module.head_k_dim, ratio * module.head_v_dim, ratio * module.head_v_dim, ratio, ratio]
+
+
+def _pack_qwen3_5(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    # in_proj_qkv is [q of all key heads | k | v of all value heads]: regroup it (and z, b, a) per key head.
+    nk = module.num_k_heads
+    q, k, v = module.in_proj_qkv(hidden).split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    parts = (q, k, v, module.in_proj_z(hidden), module.in_proj_b(hidden), module.in_proj_a(hidden))
+    return torch.cat([p.unflatten(-1, (nk, -1)) for p in parts], dim=-1)
+
+
+def _unpack_qwen3_5(module: torch.nn.Module) -> Projections:
+    widths = _widths_qwen3_5(module)
+
+    def part(x: torch.Tensor, i: int) -> torch.Tensor:
+        return x[..., sum(widths[:i]) : sum(widths[: i + 1])].flatten(2)
+
+    return {
+        "in_proj_qkv": lambda x: torch.cat([part(x, 0), part(x, 1), part(x, 2)], dim=-1),
+        "in_proj_z": lambda x: part(x, 3),
+        "in_proj_b": lambda x: part(x, 4),
+        "in_proj_a": lambda x: part(x, 5),
+    }
+
+
+# Class name -> (pack a shard's projections as [bs, sl_l, nk, w], the view's in_proj_* reading them back).
+LAYOUTS = {
+    "Qwen3NextGatedDeltaNet": (_pack_qwen3_next, _unpack_qwen3_next),
+    "Qwen3_5GatedDeltaNet": (_pack_qwen3_5, _unpack_qwen3_5),
+    "Qwen3_5MoeGatedDeltaNet": (_pack_qwen3_5, _unpack_qwen3_5),
+}
 
 
 def valid_sp_sizes(module: torch.nn.Module) -> list[int]:
@@ -64,9 +111,9 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 class _LocalHeads:
     """`module` as its own forward must see it on one rank: key heads `[r * nk_l, (r + 1) * nk_l)`.
 
-    The projections are already done: the forward's `hidden_states` is the exchanged
-    `[bs, sl, nk_l, w_qkvz + w_ba]` tensor, which `in_proj_qkvz` / `in_proj_ba` split again; `out_proj`
-    is left to the caller (after the exchange back). `conv1d`, `A_log` and `dt_bias` are differentiable
+    The projections are already done: the forward's `hidden_states` is the exchanged `[bs, sl, nk_l, w]`
+    tensor (flattened to 3-D), which the view's `in_proj_*` split again (`LAYOUTS`); `out_proj` is left to the caller
+    (after the exchange back). `conv1d`, `A_log` and `dt_bias` are differentiable
     slices of the real parameters; the rest (norm, head dims, activation, methods) is the module's own.
     """
 
@@ -82,9 +129,9 @@ class _LocalHeads:
         self.conv1d = _Conv1dSlice(module.conv1d, ranges)
         heads = slice(rank * self.num_v_heads, (rank + 1) * self.num_v_heads)
         self.A_log, self.dt_bias = module.A_log[heads], module.dt_bias[heads]
-        width_qkvz = 2 * module.head_k_dim + 2 * module.head_v_dim * (module.num_v_heads // module.num_k_heads)
-        self.in_proj_qkvz = lambda x: x[..., :width_qkvz].flatten(2)
-        self.in_proj_ba = lambda x: x[..., width_qkvz:].flatten(2)
+        for name, read in LAYOUTS[type(module).__name__][1](module).items():
+            # forward passes the flattened [bs, sl, nk_l * w] on; regroup it per key head first
+            setattr(self, name, lambda x, read=read: read(x.unflatten(-1, (self.num_k_heads, -1))))
         self.out_proj = _identity
 
     def __getattr__(self, name: str) -> Any:
@@ -96,7 +143,7 @@ class _LocalHeads:
     def run(self, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         """`[bs, sl, nk_l, w]` exchanged projections -> `[bs, sl, nv_l * head_v_dim]` gated-norm output."""
         forward = type(self._module).forward
-        return forward(self, hidden_states=x, cache=None, attention_mask=None, **kwargs)
+        return forward(self, hidden_states=x.flatten(2), cache=None, attention_mask=None, **kwargs)
 
 
 def _check_no_cached_state(module: torch.nn.Module, cache: Any) -> None:
@@ -131,7 +178,7 @@ def head_parallel_forward(
     context_of: Callable[[dict[str, Any]], SequenceContext],
     on_call: Callable[[], None],
 ) -> Callable[..., torch.Tensor]:
-    """The replacement `module.forward` (same signature) for one `Qwen3NextGatedDeltaNet` under SP.
+    """The replacement `module.forward` (same signature) for one Gated DeltaNet layer (`LAYOUTS`) under SP.
 
     Args:
         module: the layer; its key and value heads must divide by the SP size (`check_heads`).
@@ -141,7 +188,7 @@ def head_parallel_forward(
         on_call: called once per layer call (the handle counts token mixers, see `registry._check_layers`).
     """
     ws, rank, group = groups.sp_world_size, groups.sp_rank, groups.sp_group
-    nk = module.num_k_heads
+    pack = LAYOUTS[type(module).__name__][0]
 
     def forward(
         hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
@@ -158,9 +205,7 @@ def head_parallel_forward(
         if attention_mask is not None and attention_mask.dim() == 2:
             # Padding tokens enter the projections as zeros (upstream's padding rule, token-local).
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        qkvz = module.in_proj_qkvz(hidden_states).unflatten(-1, (nk, -1))
-        ba = module.in_proj_ba(hidden_states).unflatten(-1, (nk, -1))
-        x = torch.cat([qkvz, ba], dim=-1)  # [bs, sl_l, nk, w]: one collective for both projections
+        x = pack(module, hidden_states)  # [bs, sl_l, nk, w]: one collective for every projection
         x = to_global_order(all_to_all(x, scatter_dim=2, gather_dim=1, group=group), layout, ws)  # [bs, sl, nk_l, w]
         out = _segments(x, _LocalHeads(module, rank, ws), context, kwargs)  # [bs, sl, nv_l * hv]
         if layout != "contiguous" and ws > 1:

@@ -19,7 +19,7 @@ from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.integrations.patching import Patch
 
 # Class name -> adapter module (`check_heads(module, name, sp_size)`, `head_parallel_forward(...)`).
-ADAPTERS = {gated_deltanet.CLASS_NAME: gated_deltanet}
+ADAPTERS = dict.fromkeys(gated_deltanet.LAYOUTS, gated_deltanet)
 
 _MAMBA2_NORM = (
     "a Mamba2 mixer whose gated RMSNorm normalises over all heads of a group at once (one group by default), "
@@ -27,7 +27,9 @@ _MAMBA2_NORM = (
     "adapter in hf_longctx yet"
 )
 _MAMBA1 = "a Mamba (selective scan) mixer: no head-parallel adapter in hf_longctx yet"
-_DELTANET_LATER = "a Gated DeltaNet with its own projection layout: not wired into hf_longctx yet (Qwen3-Next is)"
+_DELTANET_LATER = (
+    "a Gated DeltaNet with its own projection layout: not wired into hf_longctx yet (Qwen3-Next and Qwen3.5 are)"
+)
 # Token mixers transformers ships that hf_longctx refuses, by class name, with the reason.
 REFUSED = {
     "BambaMixer": _MAMBA2_NORM,
@@ -40,7 +42,6 @@ REFUSED = {
     "FalconMambaMixer": _MAMBA1,
     "JambaMambaMixer": _MAMBA1,
     "ZambaMambaMixer": _MAMBA1,
-    "Qwen3_5GatedDeltaNet": _DELTANET_LATER,
     "OlmoHybridGatedDeltaNet": _DELTANET_LATER,
     "LaraMiniGatedDeltaNet": _DELTANET_LATER,
     "Qwen4ExpTextGatedDeltaNet": _DELTANET_LATER,
