@@ -22,9 +22,9 @@ from hf_longctx.integrations.patching import Patch
 ADAPTERS = dict.fromkeys(gated_deltanet.LAYOUTS, gated_deltanet)
 
 _MAMBA2_NORM = (
-    "a Mamba2 mixer whose gated RMSNorm normalises over all heads of a group at once (one group by default), "
-    "so a head-parallel split is not exact without a cross-rank norm, and whose SSD scan has no head-parallel "
-    "adapter in hf_longctx yet"
+    "a Mamba2 mixer: its SSD scan has no head-parallel adapter in hf_longctx yet, and its gated RMSNorm (where "
+    "configured) normalises over all heads of a group at once (one group by default), which a head split cannot "
+    "reproduce without a cross-rank norm"
 )
 _MAMBA1 = "a Mamba (selective scan) mixer: no head-parallel adapter in hf_longctx yet"
 _DELTANET_LATER = (
