@@ -178,3 +178,49 @@ def parity_worker(rank: int, world_size: int, combos: tuple[tuple[str, str, str,
             "patched_after": patched_after,
         }
     return results
+
+
+TRAINER_STEPS = 3
+
+
+def run_trainer(out_dir: str, sp: int, backend: str = "ulysses") -> list[dict[str, float]]:
+    """A few SGD steps of the stock `transformers.Trainer` on right-padded rows (gradient checkpointing on);
+    `sp` > 1 through `ParallelismConfig`. Returns one `{step, loss, grad_norm}` per step."""
+    from transformers import Trainer, TrainingArguments
+
+    from tests.dist._trainer_utils import RecordingCollator, dataset
+
+    parallelism = hf_longctx.ParallelismConfig(sp_size=sp, sp_backend=backend) if sp > 1 else None
+    args = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        seed=1,
+        per_device_train_batch_size=2,
+        max_steps=TRAINER_STEPS,
+        optim="sgd",
+        learning_rate=0.1,
+        max_grad_norm=0.0,  # no clipping; grad_norm is still logged
+        logging_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+        gradient_checkpointing=True,
+        parallelism_config=parallelism,
+    )
+    model = tiny_qwen3_next()
+    trainer = Trainer(model=model, args=args, train_dataset=dataset("mixed", 6), data_collator=RecordingCollator())
+    trainer.train()
+    hf_longctx.integrations.trainer.detach(trainer)
+    return [
+        {"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]}
+        for h in trainer.state.log_history
+        if "loss" in h
+    ]
+
+
+def sp2_worker(rank: int, world_size: int, combos: tuple, out_dir: str) -> dict:
+    """The parity combos, then the Trainer run at SP=world_size."""
+    results = parity_worker(rank, world_size, combos)
+    results["trainer"] = run_trainer(f"{out_dir}/rank{rank}", world_size)
+    return results

@@ -3,12 +3,14 @@
 SP=2 (ulysses, auto, ring: contiguous and zigzag token layouts) and SP=4 (slow) against the plain upstream
 model in this process, one forward per document (`_linear_jobs.reference`): loss rel <= 1e-6 and every
 parameter's gradient rel <= 1e-5 of its largest entry. Single documents, a right-padded batch, and packed
-rows, whose documents each start with a fresh state (upstream's torch path would carry it across).
+rows, whose documents each start with a fresh state (upstream's torch path would carry it across). And the
+stock Trainer at SP=2 against one process: per-step loss and grad_norm rel <= 1e-5.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 import torch
@@ -43,7 +45,12 @@ PADDED_LEN = 152  # SEQ_LEN 151 padded to a multiple of 2, 4 (zigzag at SP=2, co
 def _spawn(world_size: int, combos) -> dict:
     if world_size not in _runs:
         try:
-            _runs[world_size] = run_distributed(J.parity_worker, world_size, combos, timeout=SPAWN_TIMEOUT_S)
+            if world_size == 2:  # plus the Trainer run, in the same spawn
+                out_dir = tempfile.mkdtemp(prefix="hf_longctx_linear_")
+                runs = run_distributed(J.sp2_worker, 2, combos, out_dir, timeout=SPAWN_TIMEOUT_S)
+            else:
+                runs = run_distributed(J.parity_worker, world_size, combos, timeout=SPAWN_TIMEOUT_S)
+            _runs[world_size] = runs
         except Exception as exc:  # noqa: BLE001 - re-raised by every dependent test
             _runs[world_size] = exc
     if isinstance(_runs[world_size], Exception):
@@ -96,6 +103,17 @@ def test_upstream_torch_path_carries_state_across_packed_documents():
     # documents' convolution and recurrent state reach the last one, far beyond float32 noise, so the
     # packed cases really test that every document starts fresh.
     assert J.upstream_leak(J.tiny_qwen3_next(), "packed3") > 1e3 * J.GRAD_RTOL
+
+
+def test_trainer_sp2_matches_single_process_per_step(tmp_path):
+    # Stock Trainer, right-padded rows, gradient checkpointing, SGD: per-step loss and grad_norm.
+    ref = J.run_trainer(str(tmp_path / "sp1"), 1)
+    got = _spawn(2, COMBOS_2)
+    assert len(ref) == J.TRAINER_STEPS and got[0]["trainer"] == got[1]["trainer"]
+    for mine, want in zip(got[0]["trainer"], ref, strict=True):
+        assert mine["step"] == want["step"]
+        for key in ("loss", "grad_norm"):
+            assert abs(mine[key] - want[key]) / abs(want[key]) <= J.GRAD_RTOL, (key, mine, want)
 
 
 @pytest.mark.slow
