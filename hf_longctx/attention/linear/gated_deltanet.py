@@ -112,9 +112,9 @@ class _LocalHeads:
     """`module` as its own forward must see it on one rank: key heads `[r * nk_l, (r + 1) * nk_l)`.
 
     The projections are already done: the forward's `hidden_states` is the exchanged `[bs, sl, nk_l, w]`
-    tensor (flattened to 3-D), which the view's `in_proj_*` split again (`LAYOUTS`); `out_proj` is left to the caller
-    (after the exchange back). `conv1d`, `A_log` and `dt_bias` are differentiable
-    slices of the real parameters; the rest (norm, head dims, activation, methods) is the module's own.
+    tensor (flattened to 3-D), which the view's `in_proj_*` split again (`LAYOUTS`); `out_proj` is left
+    to the caller (after the exchange back). `conv1d`, `A_log` and `dt_bias` are differentiable slices of
+    the real parameters; the rest (norm, head dims, activation, methods) is the module's own.
     """
 
     def __init__(self, module: torch.nn.Module, rank: int, sp_size: int) -> None:
