@@ -58,6 +58,36 @@ EXTRA = {
     "gemma3_text": {"sliding_window": 16},
     "mistral": {"sliding_window": 16},
     "cohere2": {"sliding_window": 16},
+    # Gated DeltaNet (head-parallel) + gated attention + MoE: 2 key / 4 value heads split at SP=2
+    "qwen3_next": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "qwen3_5_text": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+    },
+    "qwen3_5_moe_text": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
     # token mixers outside attention: these must be refused (INVALID)
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "minimax": {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2},
@@ -67,9 +97,9 @@ DEFAULT_TYPES = (
     "llama llama4_text mistral ministral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi phi3 "
     "olmo olmo2 olmo3 olmoe cohere cohere2 granite granitemoe glm glm4 glm4_moe starcoder2 stablelm gpt_oss "
     "deepseek_v3 smollm3 ernie4_5 helium exaone4 seed_oss arcee apertus hunyuan_v1_dense hunyuan_v1_moe nemotron "
-    "jetmoe bitnet phimoe "
-    # expected refusals (token mixing outside attention)
-    "lfm2 minimax falcon_h1 qwen3_next granitemoehybrid bamba jamba recurrent_gemma"
+    "jetmoe bitnet phimoe qwen3_next qwen3_5_text qwen3_5_moe_text "
+    # expected refusals (token mixing outside attention that hf_longctx has no adapter for)
+    "lfm2 minimax falcon_h1 granitemoehybrid bamba jamba recurrent_gemma"
 ).split()
 
 

@@ -21,6 +21,7 @@ from hf_longctx import _compat
 from hf_longctx.attention.auto import detect_link
 from hf_longctx.attention.backends import SPBackend, agree_across_ranks, decided_locally, resolve_backend
 from hf_longctx.attention.kernels import SequenceContext, kernel_family
+from hf_longctx.attention.linear.support import attach_linear_layers, check_token_mixers, linear_layers
 from hf_longctx.attention.ring.hybrid import check_ring_model, hybrid_attention
 from hf_longctx.attention.ulysses import ulysses_attention
 from hf_longctx.data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
@@ -48,8 +49,10 @@ class SequenceParallelHandle:
         self.model, self.groups, self.key, self.kernel_name = model, groups, key, kernel_name
         self.backend = backend  # what runs: Ulysses, ring or hybrid, its degrees and token layout
         self.context: SequenceContext | None = None
-        self.attention_calls = 0  # Ulysses calls in the current forward (see `_check_layers`)
+        self.attention_calls = 0  # attention calls in the current forward (see `_check_layers`)
+        self.linear_calls = 0  # head-parallel linear-attention calls in the current forward
         self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
+        self.num_linear = len(linear_layers(model))  # decoder layers whose token mixer is linear attention
         self.limits = ModelLimits.of(model)  # vocabulary and position limit, checked every forward
         self._forward_takes_kwargs = any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
@@ -91,7 +94,7 @@ class SequenceParallelHandle:
             position_ids, signature, self.groups, ids, mask, self.limits, layout=layout, expected_layout=expected
         )
         _no_zero_denominator(kwargs)
-        self.attention_calls = 0
+        self.attention_calls = self.linear_calls = 0
         gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
         self.context = SequenceContext(to_global_order(gathered, self.backend.layout, self.groups.sp_world_size))
         # Also ride along the forward's kwargs: activation checkpointing replays those, so a layer
@@ -101,44 +104,28 @@ class SequenceParallelHandle:
         return args, kwargs
 
     def _check_layers(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        # Forward hook, the catch-all behind `check_token_mixers`: a decoder layer that never called the
-        # attention registry mixed tokens some other way (linear attention, a recurrence) on its shard only.
-        if self.attention_calls < self.num_layers:
+        # Forward hook, the catch-all behind `check_token_mixers`: a decoder layer that called neither the
+        # attention registry nor a head-parallel linear layer mixed tokens some other way on its shard only.
+        attention_layers = self.num_layers - self.num_linear
+        if self.attention_calls < attention_layers or self.linear_calls < self.num_linear:
             raise ValueError(
-                f"Only {self.attention_calls} of {self.num_layers} decoder layers called transformers' attention "
-                f"interface in this forward: {type(module).__name__} mixes tokens in other layers (linear "
-                "attention, a state-space or recurrent block), which would see only this rank's shard and give "
-                "a wrong loss. Sequence parallelism supports models whose only token mixing is attention; "
-                "train this model with sp_size=1."
+                f"Only {self.attention_calls} of {attention_layers} attention layers called transformers' attention "
+                f"interface and {self.linear_calls} of {self.num_linear} linear-attention layers ran head-parallel "
+                f"in this forward: {type(module).__name__} mixes tokens in other layers (linear attention, a "
+                "state-space or recurrent block), which would see only this rank's shard and give a wrong loss. "
+                "Sequence parallelism supports softmax attention and the linear-attention layers listed by "
+                "hf_longctx.attention.linear.support.ADAPTERS; train this model with sp_size=1."
             )
 
+    def _context_of(self, kwargs: dict[str, Any]) -> SequenceContext:
+        # The forward's context, from the layer's kwargs (replayed by activation checkpointing) or the handle.
+        context = kwargs.pop(CONTEXT_KWARG, None) or self.context
+        if context is None:
+            raise ValueError("No sequence context: the model must be called through its top-level forward.")
+        return context
 
-# Layer kinds (a text config's `layer_types`) that mix tokens without the attention registry.
-_NON_ATTENTION_LAYERS = ("linear", "mamba", "conv", "recurrent", "ssm", "deltanet")
-
-
-def check_token_mixers(model: torch.nn.Module) -> None:
-    """Refuse models that mix tokens outside attention, before any step runs.
-
-    Ulysses makes attention see the whole sequence; a convolution or state-space scan over the
-    sequence (Mamba, short convolutions, gated delta nets: all hold a `Conv1d`) or a layer type
-    such as "linear_attention" would still see only this rank's shard.
-
-    Raises:
-        ValueError: naming the first such module or layer type and the fix (sp_size=1).
-    """
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    decoder = decoder if isinstance(decoder, torch.nn.Module) else model
-    convs = [name for name, m in decoder.named_modules() if isinstance(m, torch.nn.Conv1d)]
-    kinds = [k for k in getattr(_attention_config(model), "layer_types", None) or [] if isinstance(k, str)]
-    other = sorted({k for k in kinds if any(tag in k.lower() for tag in _NON_ATTENTION_LAYERS)})
-    if convs or other:
-        what = f"a Conv1d over the sequence ({convs[0]})" if convs else f"layers of type {other}"
-        raise ValueError(
-            f"{type(model).__name__} mixes tokens outside attention: {what}. Under sequence parallelism "
-            "that layer would see only this rank's shard and the loss would be wrong; hf_longctx supports "
-            "models whose only token mixing is attention. Train this model with sp_size=1."
-        )
+    def _count_linear(self) -> None:
+        self.linear_calls += 1
 
 
 def _link(model: torch.nn.Module) -> str | None:
@@ -193,7 +180,7 @@ def check_model(
     )
     if sp.name != "ulysses":
         check_ring_model(config, model)
-    check_token_mixers(model)
+    check_token_mixers(model, sp_size)
     return sp
 
 
@@ -264,9 +251,7 @@ def enable_sequence_parallel(
     kernels: dict[type, Callable[..., Any]] = {}
 
     def attention(module: torch.nn.Module, query, key_, value, attention_mask, **kwargs):
-        context = kwargs.pop(CONTEXT_KWARG, None) or handle.context
-        if context is None:
-            raise ValueError("No sequence context: the model must be called through its top-level forward.")
+        context = handle._context_of(kwargs)
         handle.attention_calls += 1
         if ring_attention_kwargs is not None:
             return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
@@ -301,6 +286,8 @@ def enable_sequence_parallel(
         hook = model.register_forward_hook(handle._check_layers)
         handle._undo.append(hook.remove)
         handle._undo.extend(install_vision_hooks(model, handle))
+        patches = attach_linear_layers(model, groups, sp.layout, handle._context_of, handle._count_linear)
+        handle._undo.extend(patch.remove for patch in patches)
         setattr(model, _HANDLE_ATTR, handle)
         handle._undo.append(lambda: delattr(model, _HANDLE_ATTR))
     except Exception:

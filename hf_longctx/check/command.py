@@ -69,6 +69,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         which case nothing is launched.
     """
     from hf_longctx.attention.backends import resolve_backend
+    from hf_longctx.attention.linear.support import check_token_mixers
     from hf_longctx.attention.registry import enable_sequence_parallel
     from hf_longctx.attention.ring.hybrid import check_ring_model
     from hf_longctx.data.layout import pad_multiple
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
             model = build_model(tmp / "model", args.attn, SEED)
             # Validates the kernel and the model type the way the workers will, before launching.
             enable_sequence_parallel(model, SequenceParallelGroups.single()).remove()
+            check_token_mixers(model, sp)  # linear-attention heads must split over the SP size
             if backend.name != "ulysses":
                 check_ring_model(model.config.get_text_config(), model)
         except ValueError as exc:

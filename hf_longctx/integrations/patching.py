@@ -2,7 +2,9 @@
 
 `Patch(owner, name, make)` replaces `owner.name` by `make(original)`; `apply()` twice is a no-op
 (a marker on the replacement), `remove()` restores the exact original object, and the
-replacement keeps `__wrapped__`. Used for the few Trainer methods that have no registry.
+replacement keeps `__wrapped__`. Used for the few Trainer methods that have no registry, and on
+instances (a model's or a layer's `forward`): there `remove()` deletes the instance attribute again, so
+the object reads its class's method exactly as before.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Patch:
         self.owner, self.name, self.make = owner, name, make
         self.original: Any = None
         self.applied = False
+        self._owned = False  # whether the owner itself held the attribute (not only its class)
 
     def apply(self) -> None:
         """Install the replacement unless this owner's attribute is already patched."""
@@ -34,6 +37,7 @@ class Patch:
         replacement = functools.wraps(current)(self.make(current))
         setattr(replacement, PATCH_MARKER, True)
         self.original = current
+        self._owned = isinstance(self.owner, type) or self.name in getattr(self.owner, "__dict__", {})
         setattr(self.owner, self.name, replacement)
         self.applied = True
         logger.info("hf_longctx: patched %s.%s", getattr(self.owner, "__name__", self.owner), self.name)
@@ -41,5 +45,9 @@ class Patch:
     def remove(self) -> None:
         """Restore the original attribute (no-op if this patch did not install it)."""
         if self.applied:
-            setattr(self.owner, self.name, self.original)
+            if self._owned:
+                setattr(self.owner, self.name, self.original)
+            else:
+                # The instance read the attribute from its class: storing the bound original would pin it.
+                delattr(self.owner, self.name)
             self.applied = False

@@ -78,3 +78,31 @@ def test_gated_patches_leave_plain_trainers_alone(tmp_path):
     assert got["get_total_train_batch_size"] == expected["get_total_train_batch_size"] == 2
     for value, want in zip(got["prediction_step"], expected["prediction_step"], strict=True):
         assert torch.equal(value, want)
+
+
+def test_instance_patch_remove_restores_the_class_method():
+    import torch
+
+    layer = torch.nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    expected = layer(x)
+    patch = Patch(layer, "forward", lambda original: lambda inp: original(inp) * 0)
+    patch.apply()
+    assert "forward" in vars(layer) and bool((layer(x) == 0).all())
+    patch.remove()
+    # Gone from the instance, not re-set to the bound method: later class-level changes reach it again.
+    assert "forward" not in vars(layer)
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+
+
+def test_patch_of_an_instance_attribute_of_its_own_is_put_back():
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.fn = original = lambda: 1
+    patch = Patch(holder, "fn", lambda f: lambda: f() + 1)
+    patch.apply()
+    assert holder.fn() == 2
+    patch.remove()
+    assert vars(holder)["fn"] is original

@@ -269,11 +269,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 @pytest.mark.parametrize(
     ("model_type", "extra", "match"),
     [
-        ("lfm2", {"layer_types": ["conv", "full_attention"]}, r"Conv1d over the sequence \(layers.0.conv"),
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, r"layers.0.conv \(layer type 'conv'\) is Lfm2ShortConv"),
         (
             "minimax",
             {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2},
-            "linear_attention",
+            r"layers.1.self_attn \(layer type 'linear_attention'\) is MiniMaxLightningAttention",
         ),
     ],
 )
@@ -295,5 +295,5 @@ def test_layer_that_skips_the_attention_interface_fails_the_forward():
     model.model.layers[1].self_attn.forward = lambda hidden_states, **kwargs: (torch.zeros_like(hidden_states), None)
     batch = shard_batch(packed_batch(), SINGLE)
     with enable_sequence_parallel(model, SINGLE):
-        with pytest.raises(ValueError, match="Only 1 of 2 decoder layers"):
+        with pytest.raises(ValueError, match="Only 1 of 2 attention layers"):
             model(**batch)
