@@ -4,6 +4,7 @@ real `GRPOTrainer.train()` generating with transformers on CPU."""
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any
 
 import torch
@@ -55,7 +56,19 @@ def _skewed(cls: type) -> type:
     return type(f"Skewed{cls.__name__}", (cls,), {"_generate_single_turn": _generate_single_turn})
 
 
-def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
+def _prompt_seeded(cls: type) -> type:
+    """A subclass whose sampling is seeded by the prompts it is given (below the SP patch): the same completions
+    with and without SP however the global RNG was used before, so an SP run can be compared with one without."""
+
+    def _generate_single_turn(self, prompt_ids: Any, *args: Any, **kwargs: Any):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(zlib.crc32(repr(prompt_ids).encode()))
+            return cls._generate_single_turn(self, prompt_ids, *args, **kwargs)
+
+    return type(f"PromptSeeded{cls.__name__}", (cls,), {"_generate_single_turn": _generate_single_turn})
+
+
+def _trainer(out_dir: str, sp: int, skew: bool = False, seeded: bool = False, **overrides: Any):
     from trl import GRPOTrainer
 
     parallelism = hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
@@ -79,7 +92,8 @@ def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
         parallelism_config=parallelism,
     )
     args = grpo_config(**{**fields, **overrides})
-    trainer = (_skewed(GRPOTrainer) if skew else GRPOTrainer)(
+    cls = _skewed(GRPOTrainer) if skew else _prompt_seeded(GRPOTrainer) if seeded else GRPOTrainer
+    trainer = cls(
         model=tiny_model("llama"),
         reward_funcs=toy_reward,
         args=args,
@@ -144,6 +158,27 @@ def train_job(rank: int, world_size: int, out_dir: str, diverge: bool = False) -
         if "loss" in entry
     ]
     return {"global_step": trainer.state.global_step, "logs": logs}
+
+
+EVAL_KEYS = ("loss", "reward", "completions/mean_length", "kl")
+
+
+def eval_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """`trainer.evaluate()` before and after 2 training steps, with prompt-seeded generation and a KL term
+    (beta > 0: a reference model), so the eval loss reads the sharded log-probs of a trained policy."""
+    trainer = _trainer(os.path.join(out_dir, "eval"), world_size, seeded=True, beta=0.5, per_device_eval_batch_size=2)
+    results = {}
+    for when in ("before", "after"):
+        if when == "after":
+            trainer.train()
+        metrics = trainer.evaluate(_dataset(6))
+        results[when] = {key: metrics.get(f"eval_{key}") for key in EVAL_KEYS}
+    results["train"] = [
+        {k: v for k, v in entry.items() if k in ("loss", "grad_norm", "reward")}
+        for entry in trainer.state.log_history
+        if "loss" in entry and "eval_loss" not in entry
+    ]
+    return results
 
 
 def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
