@@ -34,6 +34,13 @@ def toy_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [float(str(c).split().count("t5")) for c in completions]
 
 
+def id_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """Reward = the mean token id of the completion / 128: differs between a prompt's generations, so the
+    advantages (and the loss) are not zero."""
+    ids = [[int(w[1:]) for w in str(c).split() if w[1:].isdigit()] for c in completions]
+    return [sum(i) / (128 * max(len(i), 1)) for i in ids]
+
+
 def _dataset(n: int = 8):
     from datasets import Dataset
 
@@ -68,7 +75,15 @@ def _prompt_seeded(cls: type) -> type:
     return type(f"PromptSeeded{cls.__name__}", (cls,), {"_generate_single_turn": _generate_single_turn})
 
 
-def _trainer(out_dir: str, sp: int, skew: bool = False, seeded: bool = False, **overrides: Any):
+def _trainer(
+    out_dir: str,
+    sp: int,
+    skew: bool = False,
+    seeded: bool = False,
+    model: Any = None,
+    reward=toy_reward,
+    **overrides: Any,
+):
     from trl import GRPOTrainer
 
     parallelism = hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
@@ -94,8 +109,8 @@ def _trainer(out_dir: str, sp: int, skew: bool = False, seeded: bool = False, **
     args = grpo_config(**{**fields, **overrides})
     cls = _skewed(GRPOTrainer) if skew else _prompt_seeded(GRPOTrainer) if seeded else GRPOTrainer
     trainer = cls(
-        model=tiny_model("llama"),
-        reward_funcs=toy_reward,
+        model=tiny_model("llama") if model is None else model,
+        reward_funcs=reward,
         args=args,
         train_dataset=_dataset(),
         processing_class=tiny_tokenizer(),
@@ -161,29 +176,47 @@ def train_job(rank: int, world_size: int, out_dir: str, diverge: bool = False) -
 
 
 EVAL_KEYS = ("loss", "reward", "completions/mean_length", "kl")
+TRAIN_KEYS = ("loss", "grad_norm", "reward", "kl")
 
 
 def eval_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """`trainer.evaluate()` before and after 2 training steps, with prompt-seeded generation and a KL term
-    (beta > 0: a reference model), so the eval loss reads the sharded log-probs of a trained policy."""
-    trainer = _trainer(os.path.join(out_dir, "eval"), world_size, seeded=True, beta=0.5, per_device_eval_batch_size=2)
-    results = {}
-    for when in ("before", "after"):
-        if when == "after":
-            trainer.train()
-        metrics = trainer.evaluate(_dataset(6))
-        results[when] = {key: metrics.get(f"eval_{key}") for key in EVAL_KEYS}
-    results["train"] = [
-        {k: v for k, v in entry.items() if k in ("loss", "grad_norm", "reward")}
-        for entry in trainer.state.log_history
-        if "loss" in entry and "eval_loss" not in entry
-    ]
-    return results
+    """2 training steps, then `trainer.evaluate()`, with prompt-seeded generation, a varying reward and a KL
+    term (beta > 0: a reference model, which TRL loads from the policy's path), so the eval loss reads the
+    sharded log-probs of a trained policy and of the reference."""
+    path = os.path.join(out_dir, "policy")
+    if rank == 0:
+        tiny_model("llama").save_pretrained(path)
+    torch.distributed.barrier()
+    trainer = _trainer(
+        os.path.join(out_dir, "eval"),
+        world_size,
+        seeded=True,
+        model=path,
+        reward=id_reward,
+        beta=0.5,
+        per_device_eval_batch_size=2,
+    )
+    trainer.train()
+    metrics = trainer.evaluate(_dataset(6))
+    train = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {
+        "eval": {key: metrics[f"eval_{key}"] for key in EVAL_KEYS},
+        "train": [{key: entry[key] for key in TRAIN_KEYS} for entry in train],
+    }
+
+
+def reference_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """The world-1 side: the loss pass and the train + evaluate run."""
+    return {**loss_job(rank, world_size, out_dir), "eval_run": eval_job(rank, world_size, out_dir)}
 
 
 def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """Everything the SP=2 side checks, in one spawn: the loss pass, a real train, and diverging ranks."""
-    result = {"loss": loss_job(rank, world_size, out_dir), "train": train_job(rank, world_size, out_dir)}
+    result = {
+        "loss": loss_job(rank, world_size, out_dir),
+        "train": train_job(rank, world_size, out_dir),
+        "eval_run": eval_job(rank, world_size, out_dir),
+    }
     try:
         train_job(rank, world_size, os.path.join(out_dir, "diverge"), diverge=True)
         result["diverge"] = None

@@ -3,7 +3,9 @@
 With fixed completions (left-padded prompts, right-padded completions, off-policy old log-probs), one
 `_compute_loss` + backward per supported `loss_type` gives the same loss, grad_norm and every parameter's
 gradient (after DDP's average over both ranks). A real 2-step `train()` generating with transformers on CPU
-finishes with a toy reward, and SP ranks that generate different completions raise instead of hanging.
+finishes with a toy reward; with prompt-seeded sampling, a reference model (beta > 0) and a varying reward,
+its per-step metrics and a following `evaluate()` equal the run without SP. SP ranks that generate
+different completions raise instead of hanging.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def out_root(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _reference(out_root) -> dict:
-    return U.spawn_once(("grpo", 1), J.loss_job, 1, str(out_root / "w1"), timeout=SPAWN_TIMEOUT_S[1])[0]
+    return U.spawn_once(("grpo", 1), J.reference_job, 1, str(out_root / "w1"), timeout=SPAWN_TIMEOUT_S[1])[0]
 
 
 def _sp(out_root) -> list[dict]:
@@ -51,6 +53,25 @@ def test_train_two_steps_at_sp2(out_root) -> None:
         assert rank["train"]["global_step"] == 2
         assert len(rank["train"]["logs"]) == 2
     assert ranks[0]["train"]["logs"] == ranks[1]["train"]["logs"]  # the SP ranks train one model
+
+
+def test_train_then_evaluate_match_without_sp(out_root, record_property) -> None:
+    """A real train() of 2 steps, then evaluate(): per-step loss, grad_norm, reward, KL and the eval loss,
+    reward, KL equal the run without SP (completions fixed by prompt-seeded sampling)."""
+    ref = _reference(out_root)["eval_run"]
+    # Not a vacuous comparison: the policy moved away from the reference and the eval loss is not zero.
+    assert ref["eval"]["kl"] > 0 and abs(ref["eval"]["loss"]) > 1e-3 and ref["train"][0]["grad_norm"] > 0
+    worst: dict[str, float] = {}
+    for rank in _sp(out_root):
+        got = rank["eval_run"]
+        runs = [*zip(got["train"], ref["train"], strict=True), (got["eval"], ref["eval"])]
+        for step, (mine, want) in enumerate(runs):
+            for key, value in want.items():
+                # The first step is on-policy: its loss is a mean of advantages that sum to 0 (float noise).
+                diff = abs(mine[key] - value) / max(abs(value), 1e-2 if key == "loss" else 1e-30)
+                assert diff <= RTOL, (step, key, mine[key], value)
+                worst[key] = max(worst.get(key, 0.0), diff)
+    record_property("max_rel_diff", worst)
 
 
 def test_diverging_generation_raises(out_root) -> None:

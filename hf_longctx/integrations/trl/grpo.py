@@ -275,6 +275,7 @@ def install_grpo_sp(trainer: Any, state: SequenceParallelState) -> Callable[[], 
     ]
     for patch in patches:
         patch.apply()
+    state.replicated_outputs = True  # the loss comes from gathered log-probs: the same on every SP rank
 
     def undo() -> None:
         for patch in reversed(patches):
