@@ -122,13 +122,14 @@ def run_lora(
     sp_options: dict | None = None,
     flags: dict[str, Any] | None = None,
     shape: dict[str, int] | None = None,
+    batch: int = U.BATCH,
 ) -> dict[str, Any]:
     """Train LoRA adapters on the tiny llama (SGD, no clipping) in this process; return the per-step logs and the
     trained adapter weights.
 
     trainer: "trainer" (stock Trainer on `get_peft_model(model, ...)`) or "sft" (`SFTTrainer`, given the PEFT model,
     or with `peft_config=True` the plain model and `peft_config=LoraConfig(...)`). `shape`: the model's
-    heads and width (`tiny_model` arguments), e.g. 9 query / 3 KV heads.
+    heads and width (`tiny_model` arguments), e.g. 9 query / 3 KV heads. `batch`: rows per device and step.
     """
     from transformers import Trainer, TrainingArguments
     from trl import SFTConfig, SFTTrainer
@@ -138,7 +139,7 @@ def run_lora(
         "report_to": [],
         "disable_tqdm": True,
         "seed": 1,
-        "per_device_train_batch_size": U.BATCH,
+        "per_device_train_batch_size": batch,
         "max_steps": steps,
         "optim": "sgd",
         "learning_rate": U.LR["sgd"],

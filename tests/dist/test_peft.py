@@ -1,4 +1,4 @@
-"""LoRA adapters under hf_longctx SP are exact: SP=2 and SP=4 against one process without SP, per step.
+"""LoRA adapters under hf_longctx SP are exact: SP=2, SP=4 and DP=2 x SP=2 against one process without SP, per step.
 
 `get_peft_model(model, LoraConfig(...))` handed to the stock `Trainer`, and `SFTTrainer` given either the PEFT
 model or `peft_config=`: loss and grad_norm per step, and every trained adapter weight after the run (SGD, no
@@ -36,7 +36,7 @@ SFT_PEFT_CONFIG = {"trainer": "sft", "peft_config": True, **GC}
 CONFIGS = {
     "trainer_ulysses_gc": (GC, GC),
     "sft_peft_config_auto_gc": (SFT_PEFT_CONFIG, {**SFT_PEFT_CONFIG, "sp_options": AUTO}),
-    "trainer_flags": (GC, {**GC, "flags": FLAGS}),
+    "trainer_flags": (None, {**GC, "flags": FLAGS}),
     "trainer_ring_gc": (None, {**GC, "sp_options": RING_P2P}),
     "sft_peft_config_ring_gc_flags": (None, {**SFT_PEFT_CONFIG, "sp_options": RING_AG, "flags": FLAGS}),
     "trainer_nine_auto_gc": ({**GC, "shape": NINE}, {**GC, "shape": NINE, "sp_options": AUTO}),
@@ -44,23 +44,29 @@ CONFIGS = {
         {**SFT_PEFT_CONFIG, "shape": NINE},
         {**SFT_PEFT_CONFIG, "shape": NINE, "sp_options": AUTO},
     ),
+    # The world-1 reference of DP=2 x SP=2 (HYBRID4's spawn): both DP ranks' rows in one batch.
+    "trainer_batch4_gc": ({**GC, "batch": 4}, None),
     "resume_full": ({"save_steps": 2}, {"save_steps": 2}),
     "resume": (None, {"resume_from": "resume_full/checkpoint-2"}),
 }
 # Its own spawn: the DeepSpeed state it creates stays in the process.
 ZERO3 = {"trainer_zero3": {"zero": 3, "gradient_checkpointing": True, "sp": 2}}
-# SP=4, hybrid 2 x 2 (Ulysses pairs, ring across them): the only run of the hybrid code, so not slow.
+# World 4: SP=4 hybrid 2 x 2 (Ulysses pairs, ring across them), the only LoRA run of the hybrid code, so not
+# slow; and DP=2 x SP=2 Ulysses (DDP averaging two SP groups' adapters' gradients).
 HYBRID4 = {
     "trainer_hybrid_gc": {**GC, "sp": 4, "sp_options": HYBRID},
     "sft_peft_config_hybrid_gc": {**SFT_PEFT_CONFIG, "sp": 4, "sp_options": {**HYBRID, "ring_variant": "allgather"}},
+    "trainer_dp2_sp2_gc": {**GC, "sp": 2},
 }
 REFERENCE_OF = {
+    "trainer_flags": "trainer_ulysses_gc",
     "trainer_zero3": "trainer_ulysses_gc",
     "resume": "resume_full",
     "trainer_ring_gc": "trainer_ulysses_gc",
     "sft_peft_config_ring_gc_flags": "sft_peft_config_auto_gc",
     "trainer_hybrid_gc": "trainer_ulysses_gc",
     "sft_peft_config_hybrid_gc": "sft_peft_config_auto_gc",
+    "trainer_dp2_sp2_gc": "trainer_batch4_gc",
 }
 # What the SP model must run (its attention key, read through the PEFT wrapper): auto resolved per shape.
 BACKEND_OF = {
@@ -87,7 +93,7 @@ def _world(world_size: int, out_root, run: str = "main") -> list[dict]:
     elif world_size == 1:
         configs = {name: ref for name, (ref, _) in CONFIGS.items() if ref is not None}
     else:
-        configs = {name: {**sp, "sp": 2} for name, (_, sp) in CONFIGS.items()}
+        configs = {name: {**sp, "sp": 2} for name, (_, sp) in CONFIGS.items() if sp is not None}
     return U.spawn_once(
         ("peft", run, world_size),
         J.lora_worker,
@@ -121,7 +127,10 @@ def _assert_weights_equal(got: dict, want: dict) -> float:
 
 
 @pytest.mark.parametrize(
-    "name", [n for n in CONFIGS if n not in ("resume_full", "resume")] + list(ZERO3) + list(HYBRID4)
+    "name",
+    [n for n, (_, sp) in CONFIGS.items() if sp is not None and n not in ("resume_full", "resume")]
+    + list(ZERO3)
+    + list(HYBRID4),
 )
 def test_lora_sp_matches_single_process(name, out_root, record_property):
     ref = _world(1, out_root)[0][REFERENCE_OF.get(name, name)]
