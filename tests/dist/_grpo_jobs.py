@@ -82,11 +82,12 @@ def _trainer(
     seeded: bool = False,
     model: Any = None,
     reward=toy_reward,
+    sp_options: dict | None = None,
     **overrides: Any,
 ):
     from trl import GRPOTrainer
 
-    parallelism = hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
+    parallelism = hf_longctx.ParallelismConfig(sp_size=sp, **(sp_options or {})) if sp > 1 else None
     fields = dict(
         output_dir=out_dir,
         use_cpu=True,
@@ -142,9 +143,9 @@ def _fixed_inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def loss_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+def loss_job(rank: int, world_size: int, out_dir: str, sp_options: dict | None = None) -> dict[str, Any]:
     """Loss, grad_norm and every parameter's gradient of one `_compute_loss` per loss type."""
-    trainer = _trainer(os.path.join(out_dir, "loss"), world_size)
+    trainer = _trainer(os.path.join(out_dir, "loss"), world_size, sp_options=sp_options)
     model = trainer.accelerator.prepare(trainer.model)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by train() at each step
@@ -214,6 +215,8 @@ def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """Everything the SP=2 side checks, in one spawn: the loss pass, a real train, and diverging ranks."""
     result = {
         "loss": loss_job(rank, world_size, out_dir),
+        # Ring attention: zigzag shards, whose all-gather in rank order is not sequence order.
+        "loss_ring": loss_job(rank, world_size, os.path.join(out_dir, "ring"), {"sp_backend": "ring"}),
         "train": train_job(rank, world_size, out_dir),
         "eval_run": eval_job(rank, world_size, out_dir),
     }

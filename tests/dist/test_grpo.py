@@ -2,10 +2,11 @@
 
 With fixed completions (left-padded prompts, right-padded completions, off-policy old log-probs), one
 `_compute_loss` + backward per supported `loss_type` gives the same loss, grad_norm and every parameter's
-gradient (after DDP's average over both ranks). A real 2-step `train()` generating with transformers on CPU
-finishes with a toy reward; with prompt-seeded sampling, a reference model (beta > 0) and a varying reward,
-its per-step metrics and a following `evaluate()` equal the run without SP. SP ranks that generate
-different completions raise instead of hanging.
+gradient (after DDP's average over both ranks), with Ulysses and with ring attention (zigzag shards). A
+real 2-step `train()` generating with transformers on CPU finishes with a toy reward; with prompt-seeded
+sampling, a reference model (beta > 0) and a varying reward, its per-step metrics and a following
+`evaluate()` equal the run without SP. SP ranks that generate different completions raise instead of
+hanging.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def _sp(out_root) -> list[dict]:
     return U.spawn_once(("grpo", 2), J.sp_job, 2, str(out_root / "w2"), timeout=SPAWN_TIMEOUT_S[2])
 
 
+@pytest.mark.parametrize("backend", ["ulysses", "ring"])
 @pytest.mark.parametrize("loss_type, level", J.LOSS_TYPES, ids=[f"{t}-{lv}" for t, lv in J.LOSS_TYPES])
-def test_loss_and_grads_match_without_sp(loss_type: str, level: str, out_root) -> None:
+def test_loss_and_grads_match_without_sp(loss_type: str, level: str, backend: str, out_root) -> None:
     ref = _reference(out_root)[f"{loss_type}/{level}"]
+    key = "loss" if backend == "ulysses" else f"loss_{backend}"
     for rank in _sp(out_root):
-        assert rank["loss"]["attn"].startswith(KEY_PREFIX)  # the policy forward really ran sharded
-        got = rank["loss"][f"{loss_type}/{level}"]
+        # The policy forward really ran sharded, with this backend.
+        assert rank[key]["attn"].startswith(f"{KEY_PREFIX}_{backend}_"), rank[key]["attn"]
+        got = rank[key][f"{loss_type}/{level}"]
         assert U.rel_diff(got["loss"], ref["loss"]) <= RTOL, (got["loss"], ref["loss"])
         assert U.rel_diff(got["grad_norm"], ref["grad_norm"]) <= RTOL, (got["grad_norm"], ref["grad_norm"])
         assert got["grads"].keys() == ref["grads"].keys()
