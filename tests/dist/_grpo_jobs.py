@@ -143,9 +143,17 @@ def _fixed_inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def loss_job(rank: int, world_size: int, out_dir: str, sp_options: dict | None = None) -> dict[str, Any]:
-    """Loss, grad_norm and every parameter's gradient of one `_compute_loss` per loss type."""
-    trainer = _trainer(os.path.join(out_dir, "loss"), world_size, sp_options=sp_options)
+def loss_job(
+    rank: int, world_size: int, out_dir: str, sp_options: dict | None = None, peft: bool = False
+) -> dict[str, Any]:
+    """Loss, grad_norm and every parameter's gradient of one `_compute_loss` per loss type (`peft`: of the
+    LoRA adapters of `_trl_jobs.lora_model()`)."""
+    model = None
+    if peft:
+        from tests.dist._trl_jobs import lora_model
+
+        model = lora_model()
+    trainer = _trainer(os.path.join(out_dir, "loss"), world_size, sp_options=sp_options, model=model)
     model = trainer.accelerator.prepare(trainer.model)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by train() at each step
@@ -207,8 +215,12 @@ def eval_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
 
 
 def reference_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """The world-1 side: the loss pass and the train + evaluate run."""
-    return {**loss_job(rank, world_size, out_dir), "eval_run": eval_job(rank, world_size, out_dir)}
+    """The world-1 side: the loss passes (plain and LoRA) and the train + evaluate run."""
+    return {
+        **loss_job(rank, world_size, out_dir),
+        "lora": loss_job(rank, world_size, os.path.join(out_dir, "lora"), peft=True),
+        "eval_run": eval_job(rank, world_size, out_dir),
+    }
 
 
 def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
@@ -217,6 +229,7 @@ def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         "loss": loss_job(rank, world_size, out_dir),
         # Ring attention: zigzag shards, whose all-gather in rank order is not sequence order.
         "loss_ring": loss_job(rank, world_size, os.path.join(out_dir, "ring"), {"sp_backend": "ring"}),
+        "loss_lora_ring": loss_job(rank, world_size, os.path.join(out_dir, "lora"), {"sp_backend": "ring"}, peft=True),
         "train": train_job(rank, world_size, out_dir),
         "eval_run": eval_job(rank, world_size, out_dir),
     }

@@ -2,11 +2,11 @@
 
 With fixed completions (left-padded prompts, right-padded completions, off-policy old log-probs), one
 `_compute_loss` + backward per supported `loss_type` gives the same loss, grad_norm and every parameter's
-gradient (after DDP's average over both ranks), with Ulysses and with ring attention (zigzag shards). A
-real 2-step `train()` generating with transformers on CPU finishes with a toy reward; with prompt-seeded
-sampling, a reference model (beta > 0) and a varying reward, its per-step metrics and a following
-`evaluate()` equal the run without SP. SP ranks that generate different completions raise instead of
-hanging.
+gradient (after DDP's average over both ranks), with Ulysses, with ring attention (zigzag shards), and
+for LoRA adapters under ring. A real 2-step `train()` generating with transformers on CPU finishes with a
+toy reward; with prompt-seeded sampling, a reference model (beta > 0) and a varying reward, its per-step
+metrics and a following `evaluate()` equal the run without SP. SP ranks that generate different
+completions raise instead of hanging.
 """
 
 from __future__ import annotations
@@ -34,11 +34,21 @@ def _sp(out_root) -> list[dict]:
     return U.spawn_once(("grpo", 2), J.sp_job, 2, str(out_root / "w2"), timeout=SPAWN_TIMEOUT_S[2])
 
 
-@pytest.mark.parametrize("backend", ["ulysses", "ring"])
+# SP-side run -> (its key in sp_job's result, its backend, its reference in reference_job's result).
+RUNS = {
+    "ulysses": ("loss", "ulysses", None),
+    "ring": ("loss_ring", "ring", None),
+    # LoRA on every linear layer (only the adapters train), ring attention.
+    "lora_ring": ("loss_lora_ring", "ring", "lora"),
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
 @pytest.mark.parametrize("loss_type, level", J.LOSS_TYPES, ids=[f"{t}-{lv}" for t, lv in J.LOSS_TYPES])
-def test_loss_and_grads_match_without_sp(loss_type: str, level: str, backend: str, out_root) -> None:
-    ref = _reference(out_root)[f"{loss_type}/{level}"]
-    key = "loss" if backend == "ulysses" else f"loss_{backend}"
+def test_loss_and_grads_match_without_sp(loss_type: str, level: str, run: str, out_root) -> None:
+    key, backend, ref_key = RUNS[run]
+    ref = _reference(out_root)
+    ref = (ref[ref_key] if ref_key else ref)[f"{loss_type}/{level}"]
     for rank in _sp(out_root):
         # The policy forward really ran sharded, with this backend.
         assert rank[key]["attn"].startswith(f"{KEY_PREFIX}_{backend}_"), rank[key]["attn"]
