@@ -4,6 +4,7 @@ real `GRPOTrainer.train()` generating with transformers on CPU."""
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any
 
 import torch
@@ -33,6 +34,13 @@ def toy_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [float(str(c).split().count("t5")) for c in completions]
 
 
+def id_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """Reward = the mean token id of the completion / 128: differs between a prompt's generations, so the
+    advantages (and the loss) are not zero."""
+    ids = [[int(w[1:]) for w in str(c).split() if w[1:].isdigit()] for c in completions]
+    return [sum(i) / (128 * max(len(i), 1)) for i in ids]
+
+
 def _dataset(n: int = 8):
     from datasets import Dataset
 
@@ -55,10 +63,31 @@ def _skewed(cls: type) -> type:
     return type(f"Skewed{cls.__name__}", (cls,), {"_generate_single_turn": _generate_single_turn})
 
 
-def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
+def _prompt_seeded(cls: type) -> type:
+    """A subclass whose sampling is seeded by the prompts it is given (below the SP patch): the same completions
+    with and without SP however the global RNG was used before, so an SP run can be compared with one without."""
+
+    def _generate_single_turn(self, prompt_ids: Any, *args: Any, **kwargs: Any):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(zlib.crc32(repr(prompt_ids).encode()))
+            return cls._generate_single_turn(self, prompt_ids, *args, **kwargs)
+
+    return type(f"PromptSeeded{cls.__name__}", (cls,), {"_generate_single_turn": _generate_single_turn})
+
+
+def _trainer(
+    out_dir: str,
+    sp: int,
+    skew: bool = False,
+    seeded: bool = False,
+    model: Any = None,
+    reward=toy_reward,
+    sp_options: dict | None = None,
+    **overrides: Any,
+):
     from trl import GRPOTrainer
 
-    parallelism = hf_longctx.ParallelismConfig(sp_size=sp) if sp > 1 else None
+    parallelism = hf_longctx.ParallelismConfig(sp_size=sp, **(sp_options or {})) if sp > 1 else None
     fields = dict(
         output_dir=out_dir,
         use_cpu=True,
@@ -79,9 +108,10 @@ def _trainer(out_dir: str, sp: int, skew: bool = False, **overrides: Any):
         parallelism_config=parallelism,
     )
     args = grpo_config(**{**fields, **overrides})
-    trainer = (_skewed(GRPOTrainer) if skew else GRPOTrainer)(
-        model=tiny_model("llama"),
-        reward_funcs=toy_reward,
+    cls = _skewed(GRPOTrainer) if skew else _prompt_seeded(GRPOTrainer) if seeded else GRPOTrainer
+    trainer = cls(
+        model=tiny_model("llama") if model is None else model,
+        reward_funcs=reward,
         args=args,
         train_dataset=_dataset(),
         processing_class=tiny_tokenizer(),
@@ -113,9 +143,17 @@ def _fixed_inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def loss_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """Loss, grad_norm and every parameter's gradient of one `_compute_loss` per loss type."""
-    trainer = _trainer(os.path.join(out_dir, "loss"), world_size)
+def loss_job(
+    rank: int, world_size: int, out_dir: str, sp_options: dict | None = None, peft: bool = False
+) -> dict[str, Any]:
+    """Loss, grad_norm and every parameter's gradient of one `_compute_loss` per loss type (`peft`: of the
+    LoRA adapters of `_trl_jobs.lora_model()`)."""
+    model = None
+    if peft:
+        from tests.dist._trl_jobs import lora_model
+
+        model = lora_model()
+    trainer = _trainer(os.path.join(out_dir, "loss"), world_size, sp_options=sp_options, model=model)
     model = trainer.accelerator.prepare(trainer.model)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by train() at each step
@@ -146,9 +184,55 @@ def train_job(rank: int, world_size: int, out_dir: str, diverge: bool = False) -
     return {"global_step": trainer.state.global_step, "logs": logs}
 
 
+EVAL_KEYS = ("loss", "reward", "completions/mean_length", "kl")
+TRAIN_KEYS = ("loss", "grad_norm", "reward", "kl")
+
+
+def eval_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """2 training steps, then `trainer.evaluate()`, with prompt-seeded generation, a varying reward and a KL
+    term (beta > 0: a reference model, which TRL loads from the policy's path), so the eval loss reads the
+    sharded log-probs of a trained policy and of the reference."""
+    path = os.path.join(out_dir, "policy")
+    if rank == 0:
+        tiny_model("llama").save_pretrained(path)
+    torch.distributed.barrier()
+    trainer = _trainer(
+        os.path.join(out_dir, "eval"),
+        world_size,
+        seeded=True,
+        model=path,
+        reward=id_reward,
+        beta=0.5,
+        per_device_eval_batch_size=2,
+    )
+    trainer.train()
+    metrics = trainer.evaluate(_dataset(6))
+    train = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {
+        "eval": {key: metrics[f"eval_{key}"] for key in EVAL_KEYS},
+        "train": [{key: entry[key] for key in TRAIN_KEYS} for entry in train],
+    }
+
+
+def reference_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """The world-1 side: the loss passes (plain and LoRA) and the train + evaluate run."""
+    return {
+        **loss_job(rank, world_size, out_dir),
+        "lora": loss_job(rank, world_size, os.path.join(out_dir, "lora"), peft=True),
+        "eval_run": eval_job(rank, world_size, out_dir),
+    }
+
+
 def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """Everything the SP=2 side checks, in one spawn: the loss pass, a real train, and diverging ranks."""
-    result = {"loss": loss_job(rank, world_size, out_dir), "train": train_job(rank, world_size, out_dir)}
+    result = {
+        "loss": loss_job(rank, world_size, out_dir),
+        # Ring attention: zigzag shards, whose all-gather in rank order is not sequence order.
+        "loss_ring": loss_job(rank, world_size, os.path.join(out_dir, "ring"), {"sp_backend": "ring"}),
+        "loss_lora_ring": loss_job(rank, world_size, os.path.join(out_dir, "lora"), {"sp_backend": "ring"}, peft=True),
+        "train": train_job(rank, world_size, out_dir),
+        "eval_run": eval_job(rank, world_size, out_dir),
+    }
     try:
         train_job(rank, world_size, os.path.join(out_dir, "diverge"), diverge=True)
         result["diverge"] = None

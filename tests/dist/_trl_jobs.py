@@ -71,14 +71,20 @@ def refusal_worker(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
 LORA_KEYS = ("loss", "grad_norm")
 
 
-def lora_model():
-    """The tiny llama with LoRA on every linear layer; A and B random (not B = 0) so both get gradients."""
-    from peft import LoraConfig, get_peft_model
+def lora_config():
+    """LoRA on every linear layer, A and B random (not B = 0) so both get gradients; seeds the init."""
+    from peft import LoraConfig
 
-    model = tiny_model("llama")
     torch.manual_seed(2)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
-    return get_peft_model(model, config)
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+
+
+def lora_model(shape: dict[str, int] | None = None):
+    """The tiny llama (`shape`: `tiny_model` head/width arguments) with `lora_config()` adapters."""
+    from peft import get_peft_model
+
+    model = tiny_model("llama", **(shape or {}))
+    return get_peft_model(model, lora_config())
 
 
 def _zero3_args(stage: int | None) -> dict[str, Any]:
@@ -115,14 +121,16 @@ def run_lora(
     resume_from: str | None = None,
     sp_options: dict | None = None,
     flags: dict[str, Any] | None = None,
+    shape: dict[str, int] | None = None,
+    batch: int = U.BATCH,
 ) -> dict[str, Any]:
     """Train LoRA adapters on the tiny llama (SGD, no clipping) in this process; return the per-step logs and the
     trained adapter weights.
 
     trainer: "trainer" (stock Trainer on `get_peft_model(model, ...)`) or "sft" (`SFTTrainer`, given the PEFT model,
-    or with `peft_config=True` the plain model and `peft_config=LoraConfig(...)`).
+    or with `peft_config=True` the plain model and `peft_config=LoraConfig(...)`). `shape`: the model's
+    heads and width (`tiny_model` arguments), e.g. 9 query / 3 KV heads. `batch`: rows per device and step.
     """
-    from peft import LoraConfig
     from transformers import Trainer, TrainingArguments
     from trl import SFTConfig, SFTTrainer
 
@@ -131,7 +139,7 @@ def run_lora(
         "report_to": [],
         "disable_tqdm": True,
         "seed": 1,
-        "per_device_train_batch_size": U.BATCH,
+        "per_device_train_batch_size": batch,
         "max_steps": steps,
         "optim": "sgd",
         "learning_rate": U.LR["sgd"],
@@ -145,18 +153,14 @@ def run_lora(
         **_zero3_args(zero),
     }
     if trainer == "trainer":
-        model = lora_model()
+        model = lora_model(shape)
         args = TrainingArguments(remove_unused_columns=False, **common)
         run = Trainer(model=model, args=args, train_dataset=U.dataset("mixed", 24), data_collator=U.RecordingCollator())
     else:
         args = SFTConfig(bf16=False, max_length=64, **common)
-        extra: dict[str, Any] = {"model": lora_model()}
+        extra: dict[str, Any] = {"model": lora_model(shape)}
         if peft_config:
-            torch.manual_seed(2)
-            config = LoraConfig(
-                r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False
-            )
-            extra = {"model": tiny_model("llama"), "peft_config": config}
+            extra = {"model": tiny_model("llama", **(shape or {})), "peft_config": lora_config()}
         run = SFTTrainer(
             args=args, train_dataset=U.sft_dataset("completion", 16), processing_class=U.tiny_tokenizer(), **extra
         )
@@ -177,6 +181,7 @@ def run_lora(
         "weights": weights,
         "attn": model.config._attn_implementation,
         "peft": type(model).__name__,
+        "memory": U.memory_flags_active(model.get_base_model()),
     }
 
 
@@ -227,8 +232,17 @@ def reward_model(peft: bool = False):
     return model
 
 
-def run_reward(out_dir: str, *, sp: int = 1, steps: int = 4, sp_options: dict | None = None, peft: bool = False):
-    """Train the tiny reward model with TRL's RewardTrainer (SGD, no clipping); logs and trained weights."""
+def run_reward(
+    out_dir: str,
+    *,
+    sp: int = 1,
+    steps: int = 4,
+    sp_options: dict | None = None,
+    peft: bool = False,
+    eval_rows: int | None = None,
+):
+    """Train the tiny reward model with TRL's RewardTrainer (SGD, no clipping); logs and trained weights, and
+    with `eval_rows` the metrics of `trainer.evaluate()` on that many held-out pairs afterwards."""
     import datasets
     from trl import RewardConfig, RewardTrainer
 
@@ -240,6 +254,7 @@ def run_reward(out_dir: str, *, sp: int = 1, steps: int = 4, sp_options: dict | 
         seed=1,
         bf16=False,
         per_device_train_batch_size=U.BATCH,
+        per_device_eval_batch_size=U.BATCH,
         max_steps=steps,
         optim="sgd",
         learning_rate=U.LR["sgd"],
@@ -258,7 +273,11 @@ def run_reward(out_dir: str, *, sp: int = 1, steps: int = 4, sp_options: dict | 
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"logs": U._logs(trainer, REWARD_KEYS), "weights": weights, "attn": model.config._attn_implementation}
+    result = {"logs": U._logs(trainer, REWARD_KEYS), "weights": weights, "attn": model.config._attn_implementation}
+    if eval_rows:
+        metrics = trainer.evaluate(datasets.Dataset.from_list(reward_rows(eval_rows, seed=13)))
+        result["eval"] = {k.removeprefix("eval_"): v for k, v in metrics.items() if k.startswith("eval_")}
+    return result
 
 
 def reward_worker(rank: int, world_size: int, out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Each pair's score is read at its last real token: the chosen rows end on SP rank 1 and the rejected rows on
 rank 0 (contiguous layout), and on either half of the zigzag layout (ring). Compared per step: loss, grad_norm,
 accuracy, margin, min/mean/max reward, num_tokens; and every trained weight after the run (SGD, no clipping:
-equal weights mean equal per-parameter gradients at every step).
+equal weights mean equal per-parameter gradients at every step). Then `trainer.evaluate()`: eval loss,
+accuracy and rewards.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from tests.dist import _trl_jobs as J
 RTOL = 1e-5
 SPAWN_TIMEOUT_S = {1: 300, 2: 400}
 RELATIVE = tuple(k for k in J.REWARD_KEYS if k != "margin")
+# Every run ends with `trainer.evaluate()` on 5 held-out pairs (batches of 2: a partial last batch).
 CONFIGS = {
-    "ulysses": {},
-    "ring": {"sp_options": {"sp_backend": "ring"}},
-    "lora": {"peft": True},
+    "ulysses": {"eval_rows": 5},
+    "ring": {"sp_options": {"sp_backend": "ring"}, "eval_rows": 5},
+    "lora": {"peft": True, "eval_rows": 5},
 }
 
 
@@ -67,4 +69,19 @@ def test_reward_sp2_matches_single_process(name, out_root, record_property):
             assert diff <= RTOL, f"{param}: rel {diff:.2e}"
             worst["weights"] = max(worst.get("weights", 0.0), diff)
     assert {"loss", "grad_norm", "accuracy"} <= set(worst)
+    record_property("max_rel_diff", worst)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_reward_evaluate_sp2_matches_single_process(name, out_root, record_property):
+    ref = _world(1, out_root)[0][name]["eval"]
+    assert ref["max_reward"] > ref["min_reward"] and ref["loss"] > 0  # scores differ per row: not a constant
+    worst = {}
+    for rank_results in _world(2, out_root):
+        got = rank_results[name]["eval"]
+        for key in ("loss", "accuracy", "min_reward", "mean_reward", "max_reward", "num_tokens"):
+            diff = U.rel_diff(got[key], ref[key])
+            assert diff <= RTOL, (key, got[key], ref[key])
+            worst[key] = max(worst.get(key, 0.0), diff)
+        assert abs(got["margin"] - ref["margin"]) <= RTOL * abs(ref["mean_reward"]) + 1e-7, (got, ref)
     record_property("max_rel_diff", worst)

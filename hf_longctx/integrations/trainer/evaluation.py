@@ -6,7 +6,9 @@ token-weighted shares, per-token tensors (logits, labels) are gathered along the
 back to the batch's real length, and the labels are the unshifted ones the collator kept. Every SP
 rank then holds the DP rank's values, so the Trainer's evaluation loop gathers them over the DP
 group only (`metrics.gather_replicated`), pads whole sequences across ranks and applies its own
-remainder rule, exactly as without SP.
+remainder rule, exactly as without SP. A trainer whose own SP path already computes whole-sequence values on
+every SP rank (RewardTrainer's pooled scores, GRPOTrainer's gathered log-probs) gets `replicated_prediction`:
+its outputs are kept and gathered over the DP group only.
 """
 
 from __future__ import annotations
@@ -73,6 +75,23 @@ def _gather_tokens(value: Any, shard_len: int, length: int | None, groups: Seque
     return full[:, :length] if length is not None else full
 
 
+def _gather_over_dp(trainer: Any, groups: SequenceParallelGroups) -> None:
+    # What the evaluation loop gathers with (it resets it when it ends): the DP-only gather of replicated values.
+    trainer.gather_function = functools.partial(
+        gather_replicated, trainer.accelerator, groups, use_gather_object=trainer.args.eval_use_gather_object
+    )
+
+
+def replicated_prediction(trainer: Any, groups: SequenceParallelGroups, outputs: tuple) -> tuple[Any, Any, Any]:
+    """`prediction_step` outputs that are already the DP rank's whole-batch values on every SP rank.
+
+    The SP gather (`metrics.gather_for_metrics`) would sum the 1-d loss over the SP group, so the evaluation
+    loop gathers these over the DP group only.
+    """
+    _gather_over_dp(trainer, groups)
+    return outputs
+
+
 def full_prediction(
     trainer: Any, groups: SequenceParallelGroups, inputs: dict, outputs: tuple, seen: dict
 ) -> tuple[Any, Any, Any]:
@@ -97,7 +116,5 @@ def full_prediction(
     main_input = getattr(trainer.model, "main_input_name", "input_ids")
     if "inputs" in (trainer.args.include_for_metrics or []) and main_input in inputs:
         inputs[main_input] = _gather_tokens(inputs[main_input], shard_len, length, groups)
-    trainer.gather_function = functools.partial(
-        gather_replicated, trainer.accelerator, groups, use_gather_object=trainer.args.eval_use_gather_object
-    )
+    _gather_over_dp(trainer, groups)
     return loss, logits, labels

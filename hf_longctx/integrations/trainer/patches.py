@@ -22,7 +22,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_longctx.distributed.failures import apply_timeout
 from hf_longctx.integrations.patching import Patch
-from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_num_items
+from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_num_items, replicated_prediction
 from hf_longctx.integrations.trainer.resume import remove_resume_patch, track_layout
 from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
 
@@ -168,7 +168,9 @@ def _prediction_step(original):
                 outputs = original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
             frames.pop()
-        if not frame["merged"]:
+        if not frame["merged"] and state.replicated_outputs:
+            outputs = replicated_prediction(self, state.groups, outputs)
+        elif not frame["merged"]:
             outputs = full_prediction(self, state.groups, inputs, outputs, seen)
         if frames:
             frames[-1]["merged"] = True

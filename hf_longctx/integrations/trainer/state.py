@@ -30,6 +30,9 @@ class SequenceParallelState:
     wrapped: list[str] = field(default_factory=list)
     undo: list[Callable[[], None]] = field(default_factory=list)  # collate_fn and Trainer attributes
     checked: set[int] = field(default_factory=set)  # ids of models already validated
+    # Set by a TRL trainer's SP path (RewardTrainer, GRPOTrainer) whose loss and outputs are computed from whole
+    # sequences on every SP rank: evaluation takes them as they are (`evaluation.replicated_prediction`).
+    replicated_outputs: bool = False
 
     def enable(self, model: Any) -> None:
         """Switch `model` (unwrapped transformers model) to SP attention once."""

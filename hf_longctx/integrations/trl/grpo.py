@@ -24,8 +24,10 @@ import torch
 from hf_longctx.attention.registry import enable_sequence_parallel
 from hf_longctx.data.collator import SequenceShardingCollator
 from hf_longctx.data.consistency import shard_batch
+from hf_longctx.data.layout import layout_indices, to_global_order
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.comm import all_gather_object, all_gather_sequence
+from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.state import SequenceParallelState, _unwrap, sp_hidden
 
@@ -107,23 +109,27 @@ def check_grpo_settings(trainer: Any) -> None:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 1; backward: this rank's slice of the gradient times the group size.
+    """All-gather the SP shards along dim 1 into global sequence order; backward: the gradient at this rank's
+    positions times the group size.
 
-    Every SP rank computes the same loss from the same gathered tensor, so the incoming gradients are
-    identical on every rank and their sum over the group (the exact adjoint) is `size` times this
-    rank's own: a constant instead of a collective in backward (as `hf_longctx.loss`'s group sum does).
+    The shards follow the backend's token layout (zigzag for ring and hybrid: an all-gather in rank order is
+    not sequence order). Every SP rank computes the same loss from the same gathered tensor, so the incoming
+    gradients are identical on every rank and their sum over the group (the exact adjoint) is `size` times
+    this rank's own: a constant instead of a collective in backward (as `hf_longctx.loss`'s group sum does).
     The DP engine's average over all ranks then gives the single-device gradient.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
-        ctx.rank, ctx.length, ctx.size = rank, x.shape[1], size
-        return all_gather_sequence(x.contiguous(), group, dim=1)
+    def forward(ctx, x: torch.Tensor, groups: SequenceParallelGroups) -> torch.Tensor:
+        gathered = all_gather_sequence(x.contiguous(), groups.sp_group, dim=1)
+        layout, size = groups.layout, groups.sp_world_size
+        ctx.size = size
+        ctx.positions = layout_indices(layout, groups.sp_rank, size, gathered.shape[1]).to(x.device)
+        return to_global_order(gathered, layout, size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        mine = grad.narrow(1, ctx.rank * ctx.length, ctx.length) * ctx.size
-        return mine.contiguous(), None, None, None
+        return (grad.index_select(1, ctx.positions) * ctx.size).contiguous(), None
 
 
 def _sharded_logps(
@@ -155,7 +161,7 @@ def _sharded_logps(
     back = (steps - left) % sl
 
     def full(x: torch.Tensor) -> torch.Tensor:
-        gathered = _GatherSequence.apply(x, groups.sp_group, groups.sp_rank, groups.sp_world_size)[:, :sl]
+        gathered = _GatherSequence.apply(x, groups)[:, :sl]
         # Position t scores token t+1: the completion tokens are scored at [sl-1-keep, sl-1).
         return gathered.gather(1, back)[:, sl - 1 - keep : sl - 1]
 
@@ -275,6 +281,7 @@ def install_grpo_sp(trainer: Any, state: SequenceParallelState) -> Callable[[], 
     ]
     for patch in patches:
         patch.apply()
+    state.replicated_outputs = True  # the loss comes from gathered log-probs: the same on every SP rank
 
     def undo() -> None:
         for patch in reversed(patches):

@@ -129,3 +129,4 @@ def setup_reward(trainer: Any, state: Any) -> None:
     for patch in patches:
         patch.apply()
         state.undo.append(patch.remove)
+    state.replicated_outputs = True  # every SP rank holds the whole scores and loss
