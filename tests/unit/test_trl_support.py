@@ -20,7 +20,8 @@ def test_refused_trainer_error_names_it_and_what_works(name):
         support.check_trainer_class(_trl_class(name))
     message = str(err.value)
     assert message.startswith(f"{name} is not supported with hf_longctx sequence parallelism")
-    works = "What works under SP: transformers' Trainer (and subclasses), GRPOTrainer, RewardTrainer, SFTTrainer"
+    supported = "DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer"
+    works = f"What works under SP: transformers' Trainer (and subclasses), {supported}"
     assert works in message
 
 
@@ -28,10 +29,10 @@ def test_real_trl_trainers_are_judged_by_their_own_class():
     from transformers import Trainer
     from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-    for cls in (SFTTrainer, RewardTrainer, GRPOTrainer):
+    for cls in (SFTTrainer, RewardTrainer, GRPOTrainer, DPOTrainer):
         assert support.trainer_verdict(cls) == (cls.__name__, support.REGISTRY[cls.__name__])
         assert support.check_trainer_class(cls).supported
-    for cls in (DPOTrainer, KTOTrainer, RLOOTrainer):
+    for cls in (KTOTrainer, RLOOTrainer):
         with pytest.raises(NotImplementedError, match=f"^{cls.__name__} is not supported"):
             support.check_trainer_class(cls)
     assert support.trainer_verdict(Trainer) == ("Trainer", support.Support(True))
@@ -59,8 +60,9 @@ def test_unknown_trl_trainer_is_refused_and_generic_base_is_not():
     assert support.trainer_verdict(own) == ("Trainer", support.Support(True))
 
 
-def test_grpo_is_supported_through_its_setup():
-    assert support.REGISTRY["GRPOTrainer"].supported and support.REGISTRY["GRPOTrainer"].setup is not None
+@pytest.mark.parametrize("name", ["GRPOTrainer", "DPOTrainer", "RewardTrainer"])
+def test_per_sequence_trainers_are_supported_through_their_setup(name):
+    assert support.REGISTRY[name].supported and support.REGISTRY[name].setup is not None
 
 
 def test_plain_trainer_with_a_sequence_classification_model_is_refused():

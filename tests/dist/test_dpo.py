@@ -1,0 +1,108 @@
+"""TRL `DPOTrainer` under hf_longctx SP is exact: SP=2 against one process without SP, per step.
+
+The SP run computes each row's summed log-probability on its shard and adds it over the SP group before the
+loss; the run without SP is TRL's own code. Compared per step: loss, grad_norm, the rewards/logps metrics and
+TRL's per-token metrics; the evaluation metrics; and every trained weight after the run (SGD, no clipping:
+equal weights mean equal per-parameter gradients at every step). The pairs' chosen and rejected lengths differ
+and the padded batches have odd lengths (not divisible by sp), so completions straddle the shard boundary.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import _dpo_jobs as J
+from tests.dist import _trainer_utils as U
+
+RTOL = 1e-5
+# A reward is beta * (policy - reference log-prob), a difference of two sums of O(100) per-token terms: its
+# rounding error scales with those sums, not with the (often small) reward. Rewards and margins are compared
+# within RTOL of beta * |logps| (the log-probs themselves, and the loss, are compared at RTOL of their own size).
+REWARD_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+SPAWN_TIMEOUT_S = {1: 300, 2: 400}
+CONFIGS = {
+    # A separate reference model (other weights), evaluated at the end.
+    "ref_model": {"evaluate": True},
+    # LoRA through peft_config: the reference is the policy with its adapter disabled (no copy).
+    "peft": {"reference": "peft"},
+    # Every other supported loss type at once (weighted), with gradient accumulation.
+    "losses": {
+        "loss_type": J.MIXED_LOSSES,
+        "loss_weights": [1.0, 0.5, 0.7, 0.3, 0.2, 0.1],
+        "label_smoothing": 0.1,
+        "gradient_accumulation_steps": 2,
+        "steps": 2,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def out_root(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("dpo")
+
+
+def _world(world_size: int, out_root) -> list[dict]:
+    configs = {name: {**c, "sp": world_size} for name, c in CONFIGS.items()}
+    return U.spawn_once(
+        ("dpo", world_size),
+        J.dpo_worker,
+        world_size,
+        str(out_root / f"world{world_size}"),
+        configs,
+        timeout=SPAWN_TIMEOUT_S[world_size],
+    )
+
+
+def _check_rewards(got: dict, want: dict) -> float:
+    """Assert the reward metrics agree within RTOL of beta * |logps|; return the largest absolute difference."""
+    scale = J.BETA * max(abs(want["logps/chosen"]), abs(want["logps/rejected"]))
+    diffs = {key: abs(got[key] - want[key]) for key in REWARD_KEYS}
+    assert all(d <= RTOL * max(scale, abs(want[k])) for k, d in diffs.items()), (diffs, scale, got, want)
+    return max(diffs.values())
+
+
+def test_pairs_differ_in_length():
+    rows = J.dpo_rows(16)
+    assert sum(len(r["chosen"].split()) != len(r["rejected"].split()) for r in rows) >= 12
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_dpo_sp2_matches_single_process(name, out_root, record_property):
+    ref = _world(1, out_root)[0][name]
+    assert ref["attn"] == "sdpa"
+    worst = {}
+    # Batches of odd length: the SP padding, and a completion split over both shards.
+    assert sum(n % 2 for n in ref["lengths"]) >= 2, ref["lengths"]
+    for rank_results in _world(2, out_root):
+        result = rank_results[name]
+        assert result["lengths"] == ref["lengths"]
+        assert result["attn"].startswith("hf_longctx_"), result["attn"]
+        strict = tuple(k for k in J.DPO_KEYS if k not in REWARD_KEYS)
+        worst.update(U.compare_logs(result["logs"], ref["logs"], strict, RTOL))
+        for got, want in zip(result["logs"], ref["logs"], strict=True):
+            worst["rewards_abs"] = max(worst.get("rewards_abs", 0.0), _check_rewards(got, want))
+        assert sorted(result["eval"]) == sorted(ref["eval"])
+        evaluated = {k[len("eval_") :]: v for k, v in ref["eval"].items() if not k.endswith(("_runtime", "_second"))}
+        got_eval = {k[len("eval_") :]: v for k, v in result["eval"].items() if k[len("eval_") :] in evaluated}
+        if evaluated:
+            _check_rewards(got_eval, evaluated)
+        for key, want in evaluated.items():
+            if key not in REWARD_KEYS:
+                assert U.rel_diff(got_eval[key], want) <= RTOL, (key, got_eval[key], want)
+        assert sorted(result["weights"]) == sorted(ref["weights"])
+        for param, want in ref["weights"].items():
+            diff = float((result["weights"][param] - want).abs().max() / want.abs().max())
+            assert diff <= RTOL, f"{param}: rel {diff:.2e}"
+            worst["weights"] = max(worst.get("weights", 0.0), diff)
+    assert {"loss", "grad_norm", "rewards_abs", "logps/chosen", "entropy"} <= set(worst)
+    if name == "ref_model":
+        assert "eval_loss" in ref["eval"] and "eval_rewards/chosen" in ref["eval"]
+    record_property("max_rel_diff", worst)
+
+
+def test_refused_loss_type_is_named_at_construction(out_root):
+    for rank_results in _world(2, out_root):
+        message = rank_results["refused"]
+        assert message is not None, "DPOTrainer(loss_type=['sigmoid', 'aot']) was constructed under SP=2"
+        assert message.startswith("DPOTrainer is not supported with hf_longctx sequence parallelism"), message
+        assert "loss_type='aot'" in message and "sigmoid" in message, message
