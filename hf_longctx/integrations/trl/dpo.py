@@ -105,6 +105,11 @@ def check_dpo_settings(trainer: Any) -> None:
 def _with_targets(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], dict[str, Any]]:
     def collate_with_targets(features: list[Any]) -> dict[str, Any]:
         batch = dict(collate(features))
+        if "completion_mask" not in batch:
+            raise ValueError(
+                "DPOTrainer under SP scores the completion tokens the collator marks: its batches need "
+                "`completion_mask` (TRL's DataCollatorForPreference provides it); got keys " + ", ".join(batch)
+            )
         ids, completion = batch["input_ids"], batch["completion_mask"]
         # Position t scores token t+1, on the full sequence: a shard's last position scores the next shard's first.
         targets = torch.full_like(ids, IGNORE_INDEX)
