@@ -63,12 +63,16 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
 
 
-def dpo_config(out_dir: str, *, sp: int = 1, steps: int = 4, sp_options: dict | None = None, **extra: Any):
+def dpo_config(
+    out_dir: str, *, sp: int = 1, steps: int = 4, sp_options: dict | None = None, zero: int | None = None, **extra: Any
+):
     from trl import DPOConfig
+
+    from tests.dist._trl_jobs import _zero3_args
 
     return DPOConfig(
         out_dir,
-        use_cpu=True,
+        **_zero3_args(zero),
         report_to=[],
         disable_tqdm=True,
         seed=1,
@@ -133,10 +137,25 @@ def run_dpo(
     trainer.train()
     evaluated = trainer.evaluate() if evaluate else {}
     model = trainer.accelerator.unwrap_model(trainer.model)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    weights = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            with _gathered(param, extra.get("zero")):
+                weights[name] = param.detach().clone()
     attn = model.config._attn_implementation
     logs = U._logs(trainer, DPO_KEYS)
     return {"logs": logs, "eval": evaluated, "weights": weights, "attn": attn, "lengths": lengths}
+
+
+def _gathered(param: torch.nn.Parameter, zero: int | None):
+    """The full parameter inside the block (ZeRO-3 partitions it)."""
+    import contextlib
+
+    if zero != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([param])
 
 
 def refused_loss_type_error(out_dir: str, loss_type: list[str]) -> str | None:
@@ -157,9 +176,12 @@ def refused_loss_type_error(out_dir: str, loss_type: list[str]) -> str | None:
 
 
 def dpo_worker(rank: int, world_size: int, out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Run every named `run_dpo` configuration in order (each in `out_dir/name`); under SP also build one
-    DPOTrainer with a refused loss type (`refused`)."""
-    results: dict[str, Any] = {name: run_dpo(os.path.join(out_dir, name), **c) for name, c in configs.items()}
+    """Run every named `run_dpo` configuration in order (each in `out_dir/name`; a ZeRO configuration must come
+    last: it leaves accelerate's state configured for DeepSpeed); under SP first build one DPOTrainer with a
+    refused loss type (`refused`)."""
+    results: dict[str, Any] = {}
     if world_size > 1:
         results["refused"] = refused_loss_type_error(os.path.join(out_dir, "refused"), ["sigmoid", "aot"])
+    for name, config in configs.items():
+        results[name] = run_dpo(os.path.join(out_dir, name), **config)
     return results

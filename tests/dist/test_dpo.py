@@ -36,6 +36,9 @@ CONFIGS = {
     },
     # LoRA with the reference log-probs precomputed by TRL (adapter disabled) before training, on shards too.
     "precompute": {"reference": "precompute", "steps": 2},
+    # DeepSpeed ZeRO-3: TRL prepares the reference model itself (not through accelerate's prepare), so SP reaches
+    # it at its first forward. Last: it leaves accelerate's state configured for DeepSpeed.
+    "zero3": {"zero": 3, "steps": 2},
 }
 
 
