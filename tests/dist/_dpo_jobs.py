@@ -143,8 +143,10 @@ def run_dpo(
             with _gathered(param, extra.get("zero")):
                 weights[name] = param.detach().clone()
     attn = model.config._attn_implementation
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    flags = U.memory_flags_active(base)
     logs = U._logs(trainer, DPO_KEYS)
-    return {"logs": logs, "eval": evaluated, "weights": weights, "attn": attn, "lengths": lengths}
+    return {"logs": logs, "eval": evaluated, "weights": weights, "attn": attn, "lengths": lengths, "flags": flags}
 
 
 def _gathered(param: torch.nn.Parameter, zero: int | None):

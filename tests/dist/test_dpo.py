@@ -23,8 +23,9 @@ SPAWN_TIMEOUT_S = {1: 300, 2: 400}
 CONFIGS = {
     # A separate reference model (other weights), evaluated at the end.
     "ref_model": {"evaluate": True},
-    # LoRA through peft_config: the reference is the policy with its adapter disabled (no copy).
-    "peft": {"reference": "peft"},
+    # LoRA through peft_config: the reference is the policy with its adapter disabled (no copy); the LM head's
+    # log-probs in token tiles (the run without SP: TRL's own head).
+    "peft": {"reference": "peft", "sp_options": {"tiled_loss": True}},
     # Every other supported loss type at once (weighted), with gradient accumulation, under ring attention.
     "losses": {
         "sp_options": {"sp_backend": "ring"},
@@ -85,6 +86,9 @@ def test_dpo_sp2_matches_single_process(name, out_root, record_property):
         result = rank_results[name]
         assert result["lengths"] == ref["lengths"]
         assert result["attn"].startswith("hf_longctx_"), result["attn"]
+        if "zero" not in CONFIGS[name]:  # ZeRO-3 hooks every module: the flag check reads lm_head's hooks
+            tiled = CONFIGS[name].get("sp_options", {}).get("tiled_loss", False)
+            assert result["flags"]["tiled_loss"] == tiled and not ref["flags"]["tiled_loss"]
         strict = tuple(k for k in J.DPO_KEYS if k not in REWARD_KEYS)
         worst.update(U.compare_logs(result["logs"], ref["logs"], strict, RTOL))
         for got, want in zip(result["logs"], ref["logs"], strict=True):
