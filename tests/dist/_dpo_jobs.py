@@ -27,7 +27,24 @@ DPO_KEYS = (
     "num_tokens",
 )
 BETA = 0.5
-MIXED_LOSSES = ["hinge", "ipo", "sigmoid_norm", "robust", "bco_pair", "sft"]
+LR = 0.005  # DPO gradients are large (norm ~5-30): a small step keeps the runs from amplifying rounding
+# Every TRL 1.16 loss type but sigmoid (the default, in the other runs), weighted.
+MIXED_LOSSES = {
+    "hinge": 1.0,
+    "ipo": 0.5,
+    "sigmoid_norm": 0.7,
+    "robust": 0.3,
+    "exo_pair": 0.4,
+    "nca_pair": 0.6,
+    "bco_pair": 0.2,
+    "sppo_hard": 0.05,
+    "aot": 0.8,
+    "aot_unpaired": 0.9,
+    "apo_zero": 1.1,
+    "apo_down": 1.2,
+    "discopop": 0.35,
+    "sft": 0.1,
+}
 
 
 def dpo_rows(n: int, seed: int = 11) -> list[dict[str, str]]:
@@ -70,26 +87,25 @@ def dpo_config(
 
     from tests.dist._trl_jobs import _zero3_args
 
-    return DPOConfig(
-        out_dir,
+    fields = {
+        "report_to": [],
+        "disable_tqdm": True,
+        "seed": 1,
+        "bf16": False,
+        "per_device_train_batch_size": U.BATCH,
+        "per_device_eval_batch_size": U.BATCH,
+        "max_steps": steps,
+        "optim": "sgd",
+        "learning_rate": LR,
+        "max_grad_norm": 0.0,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "beta": BETA,
+        "parallelism_config": U._parallelism(sp, sp_options),
         **_zero3_args(zero),
-        report_to=[],
-        disable_tqdm=True,
-        seed=1,
-        bf16=False,
-        per_device_train_batch_size=U.BATCH,
-        per_device_eval_batch_size=U.BATCH,
-        max_steps=steps,
-        optim="sgd",
-        learning_rate=0.02,  # DPO gradients are large: a smaller step keeps the runs from amplifying rounding
-        max_grad_norm=0.0,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        beta=BETA,
-        parallelism_config=U._parallelism(sp, sp_options),
-        **extra,
-    )
+    }
+    return DPOConfig(out_dir, **{**fields, **extra})
 
 
 def run_dpo(
@@ -160,15 +176,15 @@ def _gathered(param: torch.nn.Parameter, zero: int | None):
     return deepspeed.zero.GatheredParameters([param])
 
 
-def refused_loss_type_error(out_dir: str, loss_type: list[str]) -> str | None:
-    """The `NotImplementedError` message of a DPOTrainer built under SP=2 with `loss_type` (None: it was built)."""
+def refused_option_error(out_dir: str, **options: Any) -> str | None:
+    """The `NotImplementedError` message of a DPOTrainer built under SP=2 with `options` (None: it was built)."""
     from trl import DPOTrainer
 
     try:
         DPOTrainer(
             model=tiny_model("llama"),
             ref_model=tiny_model("llama", seed=1),
-            args=dpo_config(out_dir, sp=2, steps=1, loss_type=loss_type),
+            args=dpo_config(out_dir, sp=2, steps=1, **options),
             train_dataset=_dataset(os.path.dirname(out_dir), "train", dpo_rows(16)),
             processing_class=U.tiny_tokenizer(),
         )
@@ -180,10 +196,10 @@ def refused_loss_type_error(out_dir: str, loss_type: list[str]) -> str | None:
 def dpo_worker(rank: int, world_size: int, out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Run every named `run_dpo` configuration in order (each in `out_dir/name`; a ZeRO configuration must come
     last: it leaves accelerate's state configured for DeepSpeed); under SP first build one DPOTrainer with a
-    refused loss type (`refused`)."""
+    refused option (`refused`)."""
     results: dict[str, Any] = {}
     if world_size > 1:
-        results["refused"] = refused_loss_type_error(os.path.join(out_dir, "refused"), ["sigmoid", "aot"])
+        results["refused"] = refused_option_error(os.path.join(out_dir, "refused"), ld_alpha=0.5)
     for name, config in configs.items():
         results[name] = run_dpo(os.path.join(out_dir, name), **config)
     return results

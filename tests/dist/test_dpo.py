@@ -21,25 +21,33 @@ RTOL = 1e-5
 REWARD_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 SPAWN_TIMEOUT_S = {1: 300, 2: 400}
 CONFIGS = {
-    # A separate reference model (other weights), evaluated at the end.
+    # A separate reference model (other weights), sigmoid loss, evaluated at the end.
     "ref_model": {"evaluate": True},
     # LoRA through peft_config: the reference is the policy with its adapter disabled (no copy); the LM head's
-    # log-probs in token tiles (the run without SP: TRL's own head).
-    "peft": {"reference": "peft", "sp_options": {"tiled_loss": True}},
-    # Every other supported loss type at once (weighted), with gradient accumulation, under ring attention.
+    # log-probs in token tiles (the run without SP: TRL's own head); the Jensen-Shannon f-divergence.
+    "peft": {"reference": "peft", "sp_options": {"tiled_loss": True}, "f_divergence_type": "js_divergence"},
+    # Every other loss type at once (weighted), with gradient accumulation, under ring attention.
     "losses": {
         "sp_options": {"sp_backend": "ring"},
-        "loss_type": J.MIXED_LOSSES,
-        "loss_weights": [1.0, 0.5, 0.7, 0.3, 0.2, 0.1],
+        "loss_type": list(J.MIXED_LOSSES),
+        "loss_weights": list(J.MIXED_LOSSES.values()),
         "label_smoothing": 0.1,
         "gradient_accumulation_steps": 2,
         "steps": 2,
     },
-    # LoRA with the reference log-probs precomputed by TRL (adapter disabled) before training, on shards too.
-    "precompute": {"reference": "precompute", "steps": 2},
+    # LoRA with the reference log-probs precomputed by TRL (adapter disabled) before training, on shards too;
+    # WPO weighting and the alpha f-divergence.
+    "precompute": {
+        "reference": "precompute",
+        "steps": 2,
+        "use_weighting": True,
+        "f_divergence_type": "alpha_divergence",
+        "f_alpha_divergence_coef": 0.5,
+        "loss_type": ["sigmoid", "ipo"],
+    },
     # DeepSpeed ZeRO-3: TRL prepares the reference model itself (not through accelerate's prepare), so SP reaches
-    # it at its first forward. Last: it leaves accelerate's state configured for DeepSpeed.
-    "zero3": {"zero": 3, "steps": 2},
+    # it at its first forward; the forward-KL f-divergence. Last: it leaves accelerate's state set for DeepSpeed.
+    "zero3": {"zero": 3, "steps": 2, "f_divergence_type": "forward_kl"},
 }
 
 
@@ -112,9 +120,9 @@ def test_dpo_sp2_matches_single_process(name, out_root, record_property):
     record_property("max_rel_diff", worst)
 
 
-def test_refused_loss_type_is_named_at_construction(out_root):
+def test_refused_option_is_named_at_construction(out_root):
     for rank_results in _world(2, out_root):
         message = rank_results["refused"]
-        assert message is not None, "DPOTrainer(loss_type=['sigmoid', 'aot']) was constructed under SP=2"
+        assert message is not None, "DPOTrainer(ld_alpha=0.5) was constructed under SP=2"
         assert message.startswith("DPOTrainer is not supported with hf_longctx sequence parallelism"), message
-        assert "loss_type='aot'" in message and "sigmoid" in message, message
+        assert "ld_alpha" in message and "ld_alpha=None" in message, message

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.comm import all_reduce_sum, group_sum
 from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.evaluation import REPLICATED_LOSS_ATTR
 from hf_longctx.integrations.trainer.state import SequenceParallelState
+from hf_longctx.integrations.trl.dpo_losses import F_DIVERGENCES, LOSS_TYPES, Pairs, pair_losses
 from hf_longctx.integrations.trl.errors import UnsupportedSetup
 
 TARGETS_KEY = "hf_longctx_dpo_targets"
@@ -50,28 +50,6 @@ class RowSums:
     mask: torch.Tensor  # [2B, shard] positions of this shard whose next token is scored
 
 
-def _pair_losses(trainer: Any, policy: RowSums, chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor) -> dict:
-    """Per-pair loss of every supported loss type, as TRL 1.16 defines it, from full per-row values."""
-    beta, eps = trainer.beta, trainer.label_smoothing
-    delta = chosen_ratio - rejected_ratio
-    n_chosen, n_rejected = (n.clamp(min=1) for n in policy.completion.chunk(2))
-    normalised = chosen_ratio / n_chosen - rejected_ratio / n_rejected
-    chosen_logps = policy.logps.chunk(2)[0]
-    return {
-        "sigmoid": lambda: -F.logsigmoid(beta * delta),
-        "hinge": lambda: torch.relu(1 - beta * delta),
-        "ipo": lambda: (normalised - 1 / (2 * beta)) ** 2,
-        "sigmoid_norm": lambda: -F.logsigmoid(beta * normalised),
-        "robust": lambda: (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps),
-        "bco_pair": lambda: -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio),
-        # The chosen completions' token-mean negative log-likelihood, the same for every pair.
-        "sft": lambda: (-chosen_logps.sum() / policy.scored.chunk(2)[0].sum()).expand(chosen_logps.shape[0]),
-    }
-
-
-SUPPORTED_LOSSES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "robust", "bco_pair", "sft")
-
-
 def check_dpo_settings(trainer: Any) -> None:
     """Refuse, by name, the DPOTrainer options this SP path does not compute exactly.
 
@@ -79,15 +57,18 @@ def check_dpo_settings(trainer: Any) -> None:
         UnsupportedSetup: naming the option and what works.
     """
     for loss_type in trainer.loss_types:
-        if loss_type not in SUPPORTED_LOSSES:
+        if loss_type not in LOSS_TYPES:
             raise UnsupportedSetup(
                 f"its loss_type={loss_type!r} has no exact SP path in hf_longctx (loss types that work under SP: "
-                f"{', '.join(SUPPORTED_LOSSES)})"
+                f"{', '.join(LOSS_TYPES)})"
             )
     refused = {
-        "f_divergence_type": (trainer.f_divergence_type != "reverse_kl", "f_divergence_type='reverse_kl'"),
+        f"f_divergence_type={trainer.f_divergence_type!r}": (
+            trainer.f_divergence_type not in F_DIVERGENCES,
+            f"f_divergence_type in {F_DIVERGENCES}",
+        ),
+        # Its weights depend on each token's position in the completion, counted across the shards.
         "ld_alpha": (trainer.ld_alpha is not None, "ld_alpha=None"),
-        "use_weighting": (bool(trainer.use_weighting), "use_weighting=False"),
         "a vision dataset or processor": (trainer._is_vision_dataset or trainer._is_vlm, "a text-only model"),
     }
     text_config = trainer.model.config.get_text_config()
@@ -185,21 +166,41 @@ def _log_metrics(trainer: Any, inputs: dict[str, Any], policy: RowSums, ratios: 
     metrics["logps/rejected"].append(acc.gather(logps[1].detach()).mean().item())
 
 
+def _wpo_weights(state: SequenceParallelState, policy: RowSums) -> torch.Tensor:
+    """WPO's per-pair weight (`use_weighting`): exp of each row's mean aligned log-prob, chosen x rejected."""
+    out = policy.outputs
+    with torch.no_grad():
+        aligned = ((out.log_probs - out.log_sum_sq_probs) * policy.mask).sum(dim=1)
+        mean = all_reduce_sum(aligned, state.groups.sp_group) / policy.scored.clamp(min=1)
+    chosen, rejected = torch.exp(mean).chunk(2)
+    return chosen * rejected
+
+
 def _make_compute_loss(trainer: Any, state: SequenceParallelState):
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def _compute_loss(model, inputs, return_outputs):
             policy = row_sums(state, model, inputs)
-            chosen, rejected = policy.logps.chunk(2)
             if trainer.precompute_ref_logps:
-                ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+                ref = (inputs["ref_chosen_logps"], inputs["ref_rejected_logps"])
             else:
-                ref_chosen, ref_rejected = _reference(trainer, state, inputs).logps.chunk(2)
-            ratios = (chosen - ref_chosen, rejected - ref_rejected)
-            losses = _pair_losses(trainer, policy, *ratios)
+                ref = _reference(trainer, state, inputs).logps.chunk(2)
+            pairs = Pairs(
+                *policy.logps.chunk(2), *ref, *policy.completion.chunk(2), chosen_scored=policy.scored.chunk(2)[0]
+            )
+            losses = pair_losses(
+                pairs,
+                trainer.beta,
+                trainer.label_smoothing,
+                trainer.args.discopop_tau,
+                trainer.f_divergence_type,
+                trainer.f_alpha_divergence_coef,
+            )
+            weight = _wpo_weights(state, policy) if trainer.use_weighting else 1.0
             loss = 0.0
-            for loss_type, weight in zip(trainer.loss_types, trainer.loss_weights, strict=True):
-                loss = loss + losses[loss_type]().mean() * weight
-            _log_metrics(trainer, inputs, policy, ratios, (chosen, rejected))
+            for loss_type, loss_weight in zip(trainer.loss_types, trainer.loss_weights, strict=True):
+                loss = loss + (losses[loss_type]() * weight).mean() * loss_weight
+            ratios = (pairs.chosen - pairs.ref_chosen, pairs.rejected - pairs.ref_rejected)
+            _log_metrics(trainer, inputs, policy, ratios, (pairs.chosen, pairs.rejected))
             if not return_outputs:
                 return loss
             with torch.no_grad():  # evaluation's logits (TRL recomputes them too); merged over SP by prediction_step
