@@ -14,8 +14,10 @@ the FULL sequence, before hf_longctx shards it, under a key of their own: a `lab
 Trainer count `num_items_in_batch` and change its gradient-accumulation scaling. The reference
 log-probs come from a separate reference model, from the PEFT policy with its adapter disabled (or
 TRL's "ref" adapter), or precomputed by TRL; every reference forward runs on the same shard through the
-same SP path. Loss types and options this module does not derive from those per-row sums are refused
-at construction, by name (`check_dpo_settings`); TRL 1.16 itself turns `padding_free` off.
+same SP path. The losses (every TRL 1.16 `loss_type`, the f-divergences, WPO weighting) are computed
+from the reduced per-row values in `dpo_losses.py`; what is not (`ld_alpha`, vision-language models, the
+MoE aux loss) is refused at construction, by name (`check_dpo_settings`). TRL 1.16 itself turns
+`padding_free` off, so there is no packed DPO to support.
 """
 
 from __future__ import annotations
