@@ -115,20 +115,22 @@ def run_dpo(
     reference: str = "model",
     evaluate: bool = False,
     sp_options: dict | None = None,
+    shape: dict[str, int] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Train the tiny llama with TRL's DPOTrainer (SGD, no clipping); per-step logs, eval metrics, trained weights.
 
     reference: "model" (a separate reference model, other weights), "peft" (LoRA via `peft_config`: the
     reference is the policy with its adapter disabled, no copy) or "precompute" (LoRA, reference log-probs
-    precomputed by TRL before training).
+    precomputed by TRL before training). shape: `tiny_model` head/hidden sizes for both models.
     """
     from trl import DPOTrainer
 
     data_dir = os.path.dirname(out_dir)
-    kwargs: dict[str, Any] = {"model": tiny_model("llama")}
+    shape = shape or {}
+    kwargs: dict[str, Any] = {"model": tiny_model("llama", **shape)}
     if reference == "model":
-        kwargs["ref_model"] = tiny_model("llama", seed=1)
+        kwargs["ref_model"] = tiny_model("llama", seed=1, **shape)
     else:
         kwargs["peft_config"] = _lora()
     args = dpo_config(

@@ -19,6 +19,9 @@ RTOL = 1e-5
 # rounding error scales with those sums, not with the (often small) reward. Rewards and margins are compared
 # within RTOL of beta * |logps| (the log-probs themselves, and the loss, are compared at RTOL of their own size).
 REWARD_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+# `logits/*` is the mean over the vocabulary of the logits, near 0 by the symmetry of a random init (4e-5 for the
+# 9-head model): compared within RTOL of max(|value|, LOGIT_FLOOR), i.e. at most 1e-8 absolute.
+LOGIT_KEYS, LOGIT_FLOOR = ("logits/chosen", "logits/rejected"), 1e-3
 SPAWN_TIMEOUT_S = {1: 300, 2: 400}
 CONFIGS = {
     # A separate reference model (other weights), sigmoid loss, evaluated at the end.
@@ -26,9 +29,11 @@ CONFIGS = {
     # LoRA through peft_config: the reference is the policy with its adapter disabled (no copy); the LM head's
     # log-probs in token tiles (the run without SP: TRL's own head); the Jensen-Shannon f-divergence.
     "peft": {"reference": "peft", "sp_options": {"tiled_loss": True}, "f_divergence_type": "js_divergence"},
-    # Every other loss type at once (weighted), with gradient accumulation, under ring attention.
+    # Every other loss type at once (weighted), with gradient accumulation, on SmolLM2's 9-query / 3-kv-head
+    # layout with sp_backend="auto" (Ulysses cannot split 9 heads over 2 ranks: auto picks the ring).
     "losses": {
-        "sp_options": {"sp_backend": "ring"},
+        "shape": {"num_heads": 9, "num_kv_heads": 3, "hidden": 72},
+        "sp_options": {"sp_backend": "auto"},
         "loss_type": list(J.MIXED_LOSSES),
         "loss_weights": list(J.MIXED_LOSSES.values()),
         "label_smoothing": 0.1,
@@ -78,6 +83,13 @@ def _check_rewards(got: dict, want: dict) -> float:
     return max(diffs.values())
 
 
+def _check_logits(got: dict, want: dict) -> float:
+    """Assert `logits/*` agree within RTOL of max(|value|, LOGIT_FLOOR); return the largest absolute difference."""
+    diffs = {key: abs(got[key] - want[key]) for key in LOGIT_KEYS}
+    assert all(d <= RTOL * max(abs(want[k]), LOGIT_FLOOR) for k, d in diffs.items()), (diffs, got, want)
+    return max(diffs.values())
+
+
 def test_pairs_differ_in_length():
     rows = J.dpo_rows(16)
     assert sum(len(r["chosen"].split()) != len(r["rejected"].split()) for r in rows) >= 12
@@ -94,20 +106,24 @@ def test_dpo_sp2_matches_single_process(name, out_root, record_property):
         result = rank_results[name]
         assert result["lengths"] == ref["lengths"]
         assert result["attn"].startswith("hf_longctx_"), result["attn"]
+        if CONFIGS[name].get("sp_options", {}).get("sp_backend") == "auto":
+            assert result["attn"].startswith("hf_longctx_ring"), result["attn"]
         if "zero" not in CONFIGS[name]:  # ZeRO-3 hooks every module: the flag check reads lm_head's hooks
             tiled = CONFIGS[name].get("sp_options", {}).get("tiled_loss", False)
             assert result["flags"]["tiled_loss"] == tiled and not ref["flags"]["tiled_loss"]
-        strict = tuple(k for k in J.DPO_KEYS if k not in REWARD_KEYS)
+        strict = tuple(k for k in J.DPO_KEYS if k not in REWARD_KEYS + LOGIT_KEYS)
         worst.update(U.compare_logs(result["logs"], ref["logs"], strict, RTOL))
         for got, want in zip(result["logs"], ref["logs"], strict=True):
             worst["rewards_abs"] = max(worst.get("rewards_abs", 0.0), _check_rewards(got, want))
+            worst["logits_abs"] = max(worst.get("logits_abs", 0.0), _check_logits(got, want))
         assert sorted(result["eval"]) == sorted(ref["eval"])
         evaluated = {k[len("eval_") :]: v for k, v in ref["eval"].items() if not k.endswith(("_runtime", "_second"))}
         got_eval = {k[len("eval_") :]: v for k, v in result["eval"].items() if k[len("eval_") :] in evaluated}
         if evaluated:
             _check_rewards(got_eval, evaluated)
+            _check_logits(got_eval, evaluated)
         for key, want in evaluated.items():
-            if key not in REWARD_KEYS:
+            if key not in REWARD_KEYS + LOGIT_KEYS:
                 assert U.rel_diff(got_eval[key], want) <= RTOL, (key, got_eval[key], want)
         assert sorted(result["weights"]) == sorted(ref["weights"])
         for param, want in ref["weights"].items():
