@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+import hf_longctx
 from tests._models import tiny_model
 from tests.dist import _trainer_utils as U
 
@@ -27,6 +28,7 @@ DPO_KEYS = (
     "num_tokens",
 )
 BETA = 0.5
+PATCHED = ("_compute_loss", "compute_ref_log_probs")  # the DPOTrainer methods hf_longctx replaces on the instance
 LR = 0.005  # DPO gradients are large (norm ~5-30): a small step keeps the runs from amplifying rounding
 # Every TRL 1.16 loss type but sigmoid (the default, in the other runs), weighted.
 MIXED_LOSSES = {
@@ -164,7 +166,22 @@ def run_dpo(
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     flags = U.memory_flags_active(base)
     logs = U._logs(trainer, DPO_KEYS)
-    return {"logs": logs, "eval": evaluated, "weights": weights, "attn": attn, "lengths": lengths, "flags": flags}
+    patched = sorted(name for name in PATCHED if name in vars(trainer))
+    hf_longctx.integrations.trainer.detach(trainer)
+    undone = {
+        "patched": patched,
+        "left": sorted(name for name in PATCHED if name in vars(trainer)),
+        "collator": type(trainer.data_collator).__name__,
+    }
+    return {
+        "logs": logs,
+        "eval": evaluated,
+        "weights": weights,
+        "attn": attn,
+        "lengths": lengths,
+        "flags": flags,
+        "undone": undone,
+    }
 
 
 def _gathered(param: torch.nn.Parameter, zero: int | None):

@@ -105,6 +105,9 @@ def test_dpo_sp2_matches_single_process(name, out_root, record_property):
     for rank_results in _world(2, out_root):
         result = rank_results[name]
         assert result["lengths"] == ref["lengths"]
+        # Detaching restores the trainer: TRL's own methods and collator (the no-SP run never had a patch).
+        assert result["undone"] == {"patched": sorted(J.PATCHED), "left": [], "collator": "DataCollatorForPreference"}
+        assert ref["undone"]["patched"] == []
         assert result["attn"].startswith("hf_longctx_"), result["attn"]
         if CONFIGS[name].get("sp_options", {}).get("sp_backend") == "auto":
             assert result["attn"].startswith("hf_longctx_ring"), result["attn"]
