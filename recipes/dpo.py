@@ -94,7 +94,8 @@ def main() -> None:
     sp = state.groups.sp_world_size if state is not None else 1
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     attention = trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation
-    print(f"dpo recipe: {trainer.state.global_step} steps, sp={sp}, attention={attention}, losses={losses}")
+    # One write per line: the ranks print at the same time.
+    print(f"dpo recipe: {trainer.state.global_step} steps, sp={sp}, attention={attention}, losses={losses}\n", end="")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,21 @@ def _check_logits(got: dict, want: dict) -> float:
     return max(diffs.values())
 
 
+def _compare_eval(got: dict, want: dict) -> None:
+    """`trainer.evaluate()`'s metrics: the same keys, every value as the training metrics are compared."""
+    assert sorted(got) == sorted(want)
+    metrics = [k for k in want if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))]
+    if not metrics:
+        return
+    strip = {k.removeprefix("eval_"): k for k in metrics}
+    mine, theirs = ({name: values[key] for name, key in strip.items()} for values in (got, want))
+    _check_rewards(mine, theirs)
+    _check_logits(mine, theirs)
+    for name in strip:
+        if name not in REWARD_KEYS + LOGIT_KEYS:
+            assert U.rel_diff(mine[name], theirs[name]) <= RTOL, (name, mine[name], theirs[name])
+
+
 def test_pairs_differ_in_length():
     rows = J.dpo_rows(16)
     assert sum(len(r["chosen"].split()) != len(r["rejected"].split()) for r in rows) >= 12
@@ -119,15 +134,7 @@ def test_dpo_sp2_matches_single_process(name, out_root, record_property):
         for got, want in zip(result["logs"], ref["logs"], strict=True):
             worst["rewards_abs"] = max(worst.get("rewards_abs", 0.0), _check_rewards(got, want))
             worst["logits_abs"] = max(worst.get("logits_abs", 0.0), _check_logits(got, want))
-        assert sorted(result["eval"]) == sorted(ref["eval"])
-        evaluated = {k[len("eval_") :]: v for k, v in ref["eval"].items() if not k.endswith(("_runtime", "_second"))}
-        got_eval = {k[len("eval_") :]: v for k, v in result["eval"].items() if k[len("eval_") :] in evaluated}
-        if evaluated:
-            _check_rewards(got_eval, evaluated)
-            _check_logits(got_eval, evaluated)
-        for key, want in evaluated.items():
-            if key not in REWARD_KEYS + LOGIT_KEYS:
-                assert U.rel_diff(got_eval[key], want) <= RTOL, (key, got_eval[key], want)
+        _compare_eval(result["eval"], ref["eval"])
         assert sorted(result["weights"]) == sorted(ref["weights"])
         for param, want in ref["weights"].items():
             diff = float((result["weights"][param] - want).abs().max() / want.abs().max())
