@@ -111,8 +111,9 @@ def test_unknown_trl_trainer_is_refused_and_generic_base_is_not():
     assert support.trainer_verdict(own) == ("Trainer", support.Support(True))
 
 
-def test_grpo_is_supported_through_its_setup():
-    assert support.REGISTRY["GRPOTrainer"].supported and support.REGISTRY["GRPOTrainer"].setup is not None
+@pytest.mark.parametrize("name", ["GRPOTrainer", "DPOTrainer", "RewardTrainer"])
+def test_per_sequence_trainers_are_supported_through_their_setup(name):
+    assert support.REGISTRY[name].supported and support.REGISTRY[name].setup is not None
 
 
 def test_plain_trainer_with_a_sequence_classification_model_is_refused():

@@ -35,6 +35,12 @@ def _setup_reward(trainer: Any, state: Any) -> None:
     setup_reward(trainer, state)
 
 
+def _setup_dpo(trainer: Any, state: Any) -> None:
+    from hf_longctx.integrations.trl.dpo import setup_dpo
+
+    state.undo.append(setup_dpo(trainer, state))
+
+
 def _setup_grpo(trainer: Any, state: Any) -> None:
     from hf_longctx.integrations.trl.grpo import install_grpo_sp
 
@@ -46,7 +52,7 @@ _PER_SEQUENCE = "its loss uses per-sequence log-probabilities, which each SP ran
 
 REGISTRY: dict[str, Support] = {
     "SFTTrainer": Support(True),
-    "DPOTrainer": Support(False, _PER_SEQUENCE),
+    "DPOTrainer": Support(True, setup=_setup_dpo),
     "RewardTrainer": Support(True, setup=_setup_reward),
     # Built through `hf_longctx.integrations.trl.grpo.grpo_config` (TRL's GRPOConfig refuses sp_size > 1).
     "GRPOTrainer": Support(True, setup=_setup_grpo),
