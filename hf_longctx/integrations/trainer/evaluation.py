@@ -27,10 +27,6 @@ from hf_longctx.distributed.comm import all_gather_sequence, all_reduce_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.integrations.trainer.metrics import gather_replicated
 
-# Set on a Trainer whose `compute_loss` already returns its DP rank's whole loss on every SP rank (DPO reduces
-# its per-row sums over the SP group before the loss): each rank's share is then the loss over the group size.
-REPLICATED_LOSS_ATTR = "_hf_longctx_replicated_loss"
-
 
 @contextlib.contextmanager
 def observe_num_items(trainer: Any) -> Iterator[dict[str, Any]]:
@@ -56,8 +52,6 @@ def observe_num_items(trainer: Any) -> Iterator[dict[str, Any]]:
 
 def _loss_share(trainer: Any, groups: SequenceParallelGroups, inputs: dict, loss: torch.Tensor, seen: dict) -> Any:
     """This rank's share of its DP rank's loss: the shares of an SP group sum to the loss without SP."""
-    if getattr(trainer, REPLICATED_LOSS_ATTR, False):
-        return loss / groups.sp_world_size
     if seen.get("num_items") is not None and trainer.args.average_tokens_across_devices:
         # compute_loss returned world * (shard sum) / (global count): every rank is an equal share.
         return loss / groups.sp_world_size

@@ -32,7 +32,6 @@ import torch
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.comm import all_reduce_sum, group_sum
 from hf_longctx.integrations.patching import Patch
-from hf_longctx.integrations.trainer.evaluation import REPLICATED_LOSS_ATTR
 from hf_longctx.integrations.trainer.state import SequenceParallelState
 from hf_longctx.integrations.trl.dpo_losses import F_DIVERGENCES, LOSS_TYPES, Pairs, pair_losses
 from hf_longctx.integrations.trl.errors import UnsupportedSetup
@@ -252,14 +251,10 @@ def setup_dpo(trainer: Any, state: SequenceParallelState) -> Callable[[], None]:
     ]
     for patch in patches:
         patch.apply()
-    setattr(trainer, REPLICATED_LOSS_ATTR, True)
+    state.replicated_outputs = True  # loss and metrics come from the SP-reduced per-row sums: whole on every rank
 
     def undo() -> None:
-        trainer.__dict__.pop(REPLICATED_LOSS_ATTR, None)
-        patches[0].remove()  # the collator is an instance attribute: restored
-        for patch in patches[1:]:
-            if patch.applied:
-                delattr(trainer, patch.name)  # the instance attribute shadowed the class method
-                patch.applied = False
+        for patch in reversed(patches):  # the collator is restored, the methods fall back to the class's
+            patch.remove()
 
     return undo

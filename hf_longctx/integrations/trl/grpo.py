@@ -284,9 +284,7 @@ def install_grpo_sp(trainer: Any, state: SequenceParallelState) -> Callable[[], 
     state.replicated_outputs = True  # the loss comes from gathered log-probs: the same on every SP rank
 
     def undo() -> None:
-        for patch in reversed(patches):
-            if patch.applied:
-                delattr(trainer, patch.name)  # the instance attribute shadowed the class method
-                patch.applied = False
+        for patch in reversed(patches):  # the instance attributes go: the class's methods show through again
+            patch.remove()
 
     return undo
