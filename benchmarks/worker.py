@@ -9,7 +9,8 @@
   parameters and optimizer in host memory) or "ddp" (accelerate's own; one rank: no process group at all, as
   the planner's `--world 1` means). DeepSpeed runs on CPU go through `PartialState(backend="gloo")` +
   `use_configured_state` (without it accelerate sees one process per rank on CPU and duplicates data);
-- `trainer`: "trainer" (the stock `transformers.Trainer`) or "sft" (TRL's `SFTTrainer`);
+- `trainer`: "trainer" (the stock `transformers.Trainer`), "sft" (TRL's `SFTTrainer`) or "dpo" (TRL's
+  `DPOTrainer` on pairs cut from the rows: prompt + chosen = `seq_len` tokens, rejected half as long as chosen);
 - `data`: "random" (rows of `seq_len` random tokens), "packed" (one row repeated, documents of `doc_len` tokens:
   positions restart; `reference_loss` adds rank 0's per-document loss through the initial weights) or
   "shakespeare" (the shipped default data and tiny Llama: `model` is then ignored);
@@ -191,12 +192,43 @@ def _trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any]
         args = TrainingArguments(remove_unused_columns=False, **common)
         return Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=callbacks)
     import datasets
+
+    tokenizer = word_tokenizer(spec["model"]["vocab"])
+    if spec["trainer"] == "dpo":
+        return _dpo_trainer(spec, model, data, common, callbacks, tokenizer)
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(max_length=spec["seq_len"], packing=False, dataset_num_proc=1, **common)
     rows = datasets.Dataset.from_list([data[i] for i in range(len(data))])
-    tokenizer = word_tokenizer(spec["model"]["vocab"])
     return SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, callbacks=callbacks)
+
+
+def _dpo_trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any], callbacks: list, tokenizer: Any):
+    """TRL's DPOTrainer (sigmoid loss, a reference model of the same weights) on pairs cut from the random rows:
+    prompt and chosen are a row's two halves (`seq_len` tokens together), rejected the first half of chosen."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    def words(ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+    half = spec["seq_len"] // 2
+    rows = [data[i]["input_ids"] for i in range(len(data))]
+    pairs = [
+        {
+            "prompt": words(r[:half]),
+            "chosen": " " + words(r[half:]),
+            "rejected": " " + words(r[half : half + half // 2]),
+        }
+        for r in rows
+    ]
+    args = DPOConfig(max_length=None, dataset_num_proc=1, beta=0.1, **common)
+    pairs = datasets.Dataset.from_list(pairs)
+    reference = build_model(
+        spec["model"], spec["attn"], spec["dtype"], spec.get("device", "cpu")
+    )  # TRL's copy: by path
+    return DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer,
+                      callbacks=callbacks)  # fmt: skip
 
 
 def _import_before_measuring(spec: dict[str, Any]) -> None:
@@ -208,11 +240,11 @@ def _import_before_measuring(spec: dict[str, Any]) -> None:
     transformers.Trainer, transformers.TrainingArguments  # noqa: B018 - the lazy modules load on access
     if spec.get("data") != "shakespeare":
         getattr(transformers, ARCHS[spec["model"]["arch"]][1])
-    if spec.get("trainer") == "sft":
+    if spec.get("trainer") in ("sft", "dpo"):
         import datasets  # noqa: F401
         import trl
 
-        trl.SFTTrainer  # noqa: B018
+        trl.SFTTrainer, trl.DPOTrainer  # noqa: B018
 
 
 def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
