@@ -73,10 +73,11 @@ def head_layout(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     return HeadLayout(q_local, q_local, 1, index)
 
 
-@lru_cache(maxsize=64)
-def _kv_index(kv_index: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # Built once per layout and device, not once per layer call (a host-to-device copy on GPU).
-    return torch.tensor(kv_index, device=device)
+@lru_cache(maxsize=256)
+def head_index(index: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`index` as a tensor on `device`, built once per layout and device, not once per layer call (a
+    host-to-device copy on GPU)."""
+    return torch.tensor(index, device=device)
 
 
 # Per-query-head tensors that kernels read from the attention module or receive as keyword arguments:
@@ -121,7 +122,7 @@ def exchange_qkv(
     """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`."""
     ws, group = groups.sp_world_size, groups.sp_group
     if layout.kv_index is not None:
-        index = _kv_index(layout.kv_index, key.device)
+        index = head_index(layout.kv_index, key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
     if query.shape[-1] == key.shape[-1] == value.shape[-1]:
         # One collective: per destination, [q heads | k heads | v heads] side by side. The cat writes the
@@ -168,22 +169,62 @@ def ulysses_attention(
         ValueError: head counts incompatible with the SP size, or the shard length does not
             match the forward's global sequence.
     """
-    bs, num_heads, sl_l, _ = query.shape
-    ws = groups.sp_world_size
-    if context.position_ids.shape != (bs, sl_l * ws):
+    check_shard(query, context, groups.sp_world_size)
+    layout = head_layout(query.shape[1], key.shape[1], groups.sp_world_size)
+    call = KernelCall(module, kernel, kernel_name, family, context, groups, kwargs)
+    return attend_local_heads(call, query, key, value, layout, groups.sp_rank * layout.q_local), None
+
+
+def check_shard(query: torch.Tensor, context: SequenceContext, sp_size: int) -> None:
+    """Raise a `ValueError` when the `[bs, hc, sl_l, hs]` shard does not match the forward's global sequence."""
+    bs, _, sl_l, _ = query.shape
+    if context.position_ids.shape != (bs, sl_l * sp_size):
         raise ValueError(
-            f"Local shard [bs={bs}, seq={sl_l}] x sp={ws} does not match the global position_ids "
+            f"Local shard [bs={bs}, seq={sl_l}] x sp={sp_size} does not match the global position_ids "
             f"{tuple(context.position_ids.shape)}: build the batch with hf_longctx.shard_batch."
         )
-    layout = head_layout(num_heads, key.shape[1], ws)
-    q, k, v = exchange_qkv(query, key, value, layout, groups)
-    heads = slice(groups.sp_rank * layout.q_local, (groups.sp_rank + 1) * layout.q_local)
-    kernel_kwargs = dict(kwargs)
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One attention call's kernel and what it needs besides q/k/v (see `ulysses_attention`'s arguments)."""
+
+    module: torch.nn.Module
+    kernel: Callable[..., tuple[torch.Tensor, Any]]
+    kernel_name: str
+    family: str
+    context: SequenceContext
+    groups: SequenceParallelGroups
+    kwargs: dict[str, Any]
+
+
+def attend_local_heads(
+    call: KernelCall,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: HeadLayout,
+    first_head: int,
+) -> torch.Tensor:
+    """Exchange, the kernel over the full sequence on this rank's `layout.q_local` heads, exchange back.
+
+    Args:
+        call: the kernel and its inputs.
+        query, key, value: sequence-sharded, the heads to exchange in the order `layout` sends them.
+        layout: what each rank receives (`kv_index=None`: a plain split of `key` / `value`).
+        first_head: the model's index of this rank's first query head (per-head tensors such as sinks
+            are sliced from there).
+
+    Returns:
+        `[bs, sl_l, ws * q_local, hs_v]`, heads in the order `query` sent them.
+    """
+    q, k, v = exchange_qkv(query, key, value, layout, call.groups)
+    heads = slice(first_head, first_head + layout.q_local)
+    kwargs = dict(call.kwargs)
     for name in PER_HEAD_KWARGS:
-        if isinstance(kernel_kwargs.get(name), torch.Tensor):
-            kernel_kwargs[name] = kernel_kwargs[name][heads]
-    view = _KernelModuleView(module, layout.kv_groups_local, kernel_name, heads)
+        if isinstance(kwargs.get(name), torch.Tensor):
+            kwargs[name] = kwargs[name][heads]
+    view = _KernelModuleView(call.module, layout.kv_groups_local, call.kernel_name, heads)
     # [bs, sl, hc_l, hs_v]; sdpa / eager run per document (or block), never with a [sl, sl] mask
-    out = attend(kernel, view, family, context, q, k, v, kernel_kwargs, attention_chunk_size(module))
-    out = all_to_all(out, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, sl_l, hc, hs_v]
-    return out, None
+    out = attend(call.kernel, view, call.family, call.context, q, k, v, kwargs, attention_chunk_size(call.module))
+    return all_to_all(out, scatter_dim=1, gather_dim=2, group=call.groups.sp_group)  # [bs, sl_l, ws * hc_l, hs_v]
