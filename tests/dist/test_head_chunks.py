@@ -47,8 +47,9 @@ TRAINER_CONFIGS = {
 }
 
 
-def head_chunks_worker(rank: int, world_size: int, combos: tuple) -> dict:
-    """Every combo at SP=world_size (rank 0 returns the averaged gradients), then a bad chunk count."""
+def head_chunks_worker(rank: int, world_size: int, combos: tuple, out_dir: str) -> dict:
+    """Every combo at SP=world_size (rank 0 returns the averaged gradients), a bad chunk count, then the
+    Trainer runs (one spawn: importing and spawning cost more than the steps)."""
     groups = hf_longctx.SequenceParallelGroups.build(world_size)
     P.flash_standin.install()
     results: dict = {}
@@ -80,12 +81,15 @@ def head_chunks_worker(rank: int, world_size: int, combos: tuple) -> dict:
         results["error"] = str(exc)
     else:
         results["error"] = None
+    configs = {name: {**config, "sp": world_size, "steps": 3} for name, config in TRAINER_CONFIGS.items()}
+    results["trainer"] = U.trainer_worker(rank, world_size, out_dir, configs)
     return results
 
 
 @pytest.fixture(scope="module")
-def sp2() -> list[dict]:
-    return U.spawn_once(("head-chunks", 2), head_chunks_worker, 2, COMBOS, timeout=SPAWN_TIMEOUT_S)
+def sp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out_dir = str(tmp_path_factory.mktemp("head_chunks_sp2"))
+    return U.spawn_once(("head-chunks", 2), head_chunks_worker, 2, COMBOS, out_dir, timeout=SPAWN_TIMEOUT_S)
 
 
 _refs: dict = {}
@@ -128,29 +132,18 @@ def test_invalid_chunk_count_is_refused_on_every_rank(sp2):
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
-    root = tmp_path_factory.mktemp("head_chunks")
-    ref = U.spawn_once(
-        ("head-chunks-trainer", 1),
-        U.trainer_worker,
-        1,
-        str(root / "ref"),
-        {"ref": {"gradient_checkpointing": True, "steps": 3}},
-        timeout=SPAWN_TIMEOUT_S,
-    )[0]["ref"]
-    configs = {name: {**config, "sp": 2, "steps": 3} for name, config in TRAINER_CONFIGS.items()}
-    sp = U.spawn_once(
-        ("head-chunks-trainer", 2), U.trainer_worker, 2, str(root / "sp2"), configs, timeout=SPAWN_TIMEOUT_S
-    )
-    return ref, sp
+def trainer_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out_dir = str(tmp_path_factory.mktemp("head_chunks_ref"))
+    configs = {"ref": {"gradient_checkpointing": True, "steps": 3}}
+    return U.spawn_once(("head-chunks", 1), U.trainer_worker, 1, out_dir, configs, timeout=SPAWN_TIMEOUT_S)[0]["ref"]
 
 
 @pytest.mark.parametrize("name", list(TRAINER_CONFIGS))
-def test_trainer_with_head_chunks_matches_no_sp(name, trainer_runs, record_property):
-    ref, ranks = trainer_runs
+def test_trainer_with_head_chunks_matches_no_sp(name, sp2, trainer_reference, record_property):
+    ref = trainer_reference
     assert len(ref["logs"]) == 3
-    for rank in ranks:
-        result = rank[name]
+    for rank in sp2:
+        result = rank["trainer"][name]
         assert result["attn"].startswith("hf_longctx_ulysses"), result["attn"]
         worst = U.compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5)
         assert set(worst) == {"loss", "grad_norm"}

@@ -1,0 +1,73 @@
+"""`ulysses_head_chunks`: validation (config, model check), the chunk plans, and the planner's model of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_longctx import ParallelismConfig
+from hf_longctx.attention.head_chunks import head_chunks, valid_head_chunks
+from hf_longctx.attention.registry import check_model
+from hf_longctx.attention.ulysses import head_layout
+from tests._models import tiny_model
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"sp_size": 2, "ulysses_head_chunks": 0}, "integer >= 1"),
+        ({"sp_size": 2, "ulysses_head_chunks": -2}, "integer >= 1"),
+        ({"sp_size": 2, "ulysses_head_chunks": True}, "integer >= 1"),
+        ({"sp_size": 2, "ulysses_head_chunks": "2"}, "integer >= 1"),
+        ({"sp_size": 2, "sp_backend": "ring", "ulysses_head_chunks": 2}, "sp_backend='ulysses'"),
+        ({"sp_size": 2, "sp_backend": "auto", "ulysses_head_chunks": 2}, "sp_backend='ulysses'"),
+        ({"sp_size": 2, "sp_backend": "deepspeed", "ulysses_head_chunks": 2}, "sp_backend='ulysses'"),
+    ],
+)
+def test_bad_head_chunks_raise_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ParallelismConfig(**kwargs)
+    assert "ulysses_head_chunks" in str(info.value)
+
+
+def test_head_chunks_reach_enable_sequence_parallel():
+    config = ParallelismConfig(sp_size=2, ulysses_head_chunks=4)
+    assert config.attention_options()["ulysses_head_chunks"] == 4
+    assert ParallelismConfig(sp_size=2).attention_options()["ulysses_head_chunks"] == 1
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,sp,valid",
+    [
+        (8, 4, 2, [1, 2]),  # 2 kv heads per rank: whole groups of 2 query heads
+        (32, 8, 2, [1, 2, 4]),  # Llama-3.1-8B at SP=2
+        (32, 8, 8, [1, 2, 4]),  # one kv head per rank: chunks of its 4 query heads
+        (4, 4, 2, [1, 2]),  # MHA
+        (4, 1, 2, [1, 2]),  # MQA: the one kv head goes with every chunk
+        (12, 3, 2, [1, 2, 3, 6]),  # irregular: a kv copy per local query head
+    ],
+)
+def test_valid_counts_keep_whole_query_groups(heads, kv_heads, sp, valid):
+    assert valid_head_chunks(heads, kv_heads, sp) == valid
+    full = head_layout(heads, kv_heads, sp)
+    for chunks in valid:
+        plans = head_chunks(heads, kv_heads, sp, chunks)
+        # Every rank's query heads are covered exactly once, chunk by chunk.
+        sent = sorted(h for plan in plans for h in plan.q_index)
+        assert sent == list(range(heads))
+        for plan in plans:
+            assert plan.layout.q_local * chunks == full.q_local
+            for r in range(sp):
+                q = plan.q_index[r * plan.layout.q_local : (r + 1) * plan.layout.q_local]
+                kv = plan.kv_index[r * plan.layout.kv_local : (r + 1) * plan.layout.kv_local]
+                # Local query head i reads local kv head i // group, and that is the model's kv head of it.
+                group = plan.layout.kv_groups_local
+                assert [kv[i // group] for i in range(len(q))] == [h // (heads // kv_heads) for h in q]
+
+
+def test_check_model_lists_valid_counts():
+    model = tiny_model("llama", num_heads=8, num_kv_heads=4, hidden=128)
+    assert check_model(model, 2, ulysses_head_chunks=2).name == "ulysses"
+    with pytest.raises(ValueError, match=r"ulysses_head_chunks=3 .* one of \[1, 2\]"):
+        check_model(model, 2, ulysses_head_chunks=3)
+    with pytest.raises(ValueError, match="sp_backend='ulysses'"):
+        check_model(model, 2, "hybrid", ulysses_head_chunks=2)
