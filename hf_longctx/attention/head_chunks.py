@@ -12,16 +12,18 @@ key/value head they read (GQA), so each head's attention is computed exactly as 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from hf_longctx.attention.kernels import SequenceContext
 from hf_longctx.attention.ulysses import (
+    PER_HEAD_ATTRS,
+    PER_HEAD_KWARGS,
     HeadLayout,
     KernelCall,
     attend_local_heads,
@@ -117,38 +119,141 @@ def head_chunked_attention(
 ) -> tuple[torch.Tensor, None]:
     """`ulysses_attention` run over `chunks` chunks of the local heads (same arguments, plus `chunks`).
 
-    Each chunk runs under non-reentrant `torch.utils.checkpoint`: autograd keeps only the chunk's inputs,
-    the sequence-sharded q/k/v that are alive anyway, and recomputes the chunk's exchange and kernel
-    forward in backward. Without it every chunk's kernel would save its full-sequence q/k/v and output (and
-    the log-sum-exp) until backward, all chunks together as much as unchunked Ulysses: the forward's
-    transient buffers would shrink but not the saved ones, and backward's not at all. A custom autograd
-    function would also work but would have to route the gradients of parameters the kernel reads
-    itself (GPT-OSS sinks); the checkpoint's graph does that. The cost is one more exchange and kernel
-    forward per layer in backward. Chunks run in order in backward too (autograd runs a chunk's nodes,
-    created after the previous chunk's, first), so every rank issues the same collectives.
+    In training the chunks run inside `_ChunkedHeads`, an autograd function that saves only its inputs
+    (the sequence-sharded q/k/v, and the per-head sinks) and recomputes each chunk's exchange and kernel
+    forward in backward, one chunk at a time, writing each chunk's gradient into q/k/v's gradient. Without
+    that, every chunk's kernel would save its full-sequence q/k/v and output (and log-sum-exp) until backward,
+    all chunks together as much as unchunked Ulysses; `torch.utils.checkpoint` per chunk avoids that but
+    hands each chunk's gradient back separately (sliced selections: a full-size zero gradient per chunk;
+    one split: all chunks' gradients, then their stack), so backward would peak above unchunked Ulysses.
+    The cost is one more exchange and kernel forward per layer in backward. Every rank runs the same chunks
+    in the same order, so the collectives match.
 
     Returns:
         `([bs, sl_l, hc, hs_v], None)`, as `ulysses_attention`.
 
     Raises:
-        ValueError: as `ulysses_attention`, or `chunks` does not split the local heads.
+        ValueError: as `ulysses_attention`, `chunks` does not split the local heads, or attention dropout > 0
+            (a recompute would draw other dropout masks).
     """
     ws = groups.sp_world_size
     check_shard(query, context, ws)
-    call = KernelCall(module, kernel, kernel_name, family, context, groups, kwargs)
-    plans = head_chunks(query.shape[1], key.shape[1], ws, chunks)
-    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    outs = []
-    for plan in plans:
+    if kwargs.get("dropout", 0.0):
+        raise ValueError(
+            "ulysses_head_chunks recomputes attention in backward and does not support attention dropout > 0: "
+            "set attention_dropout=0 in the model config or ulysses_head_chunks=1."
+        )
+    runner = _Chunks(KernelCall(module, kernel, kernel_name, family, context, groups, kwargs), query, key, chunks)
+    extras = runner.per_head_tensors()
+    if not torch.is_grad_enabled():
+        return runner.forward(query, key, value, extras), None
+    return _ChunkedHeads.apply(runner, query, key, value, *extras.values()), None
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: HeadChunk = plan) -> torch.Tensor:
-            q = q.index_select(1, head_index(plan.q_index, q.device))
-            k = k.index_select(1, head_index(plan.kv_index, k.device))
-            v = v.index_select(1, head_index(plan.kv_index, v.device))
-            first_head = groups.sp_rank * plan.layout.q_local * chunks + plan.offset
-            return attend_local_heads(call, q, k, v, plan.layout, first_head)
 
-        out = checkpoint(run, query, key, value, use_reentrant=False) if recompute else run(query, key, value)
-        outs.append(out.unflatten(2, (ws, -1)))  # [bs, sl_l, ws, hc / (ws * C), hs_v]
-    # Chunk c of rank r holds the model's heads r * hc / ws + c * hc / (ws * C) + i: interleave them back.
-    return torch.stack(outs, dim=3).flatten(2, 4), None
+class _Chunks:
+    """The chunks of one attention call: their inputs, their attention, and where their gradients go."""
+
+    def __init__(self, call: KernelCall, query: torch.Tensor, key: torch.Tensor, chunks: int) -> None:
+        ws = call.groups.sp_world_size
+        self.call, self.ws, self.chunks = call, ws, chunks
+        self.plans = head_chunks(query.shape[1], key.shape[1], ws, chunks)
+        full = head_layout(query.shape[1], key.shape[1], ws)
+        self.q_local = full.q_local
+        # Each chunk's kv heads a slice of the rank's own (plain), or picked by index (replicated / copied).
+        self.plain_kv = full.kv_index is None and full.kv_local > 1
+
+    def per_head_tensors(self) -> dict[str, torch.Tensor]:
+        """The per-query-head tensors the kernel reads (sinks): module attributes and keyword arguments."""
+        found = {}
+        for name in PER_HEAD_ATTRS:
+            value = getattr(self.call.module, name, None)
+            if isinstance(value, torch.Tensor):
+                found[f"attr:{name}"] = value
+        for name in PER_HEAD_KWARGS:
+            if isinstance(self.call.kwargs.get(name), torch.Tensor):
+                found[f"kwarg:{name}"] = self.call.kwargs[name]
+        return found
+
+    def _q(self, x: torch.Tensor, c: int) -> torch.Tensor:
+        """Chunk c's view of a `[bs, hc, ...]` query-head tensor as `[bs, ws, hc / (ws * C), ...]`."""
+        return x.unflatten(1, (self.ws, self.chunks, -1))[:, :, c]
+
+    def inputs(self, c: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[torch.Tensor]:
+        """Chunk c's q/k/v as `exchange_qkv` sends them: views `[bs, ws, heads of the chunk per rank, sl_l, hs]`
+        of the inputs, or `[bs, ws * heads, sl_l, hs]` gathered key/value heads (replicated or copied)."""
+        q = self._q(query, c)
+        if self.plain_kv:
+            return [q, *(self._q(t, c) for t in (key, value))]
+        index = head_index(self.plans[c].kv_index, key.device)
+        return [q, key.index_select(1, index), value.index_select(1, index)]
+
+    def attend(self, c: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict) -> torch.Tensor:
+        """Chunk c's exchange, kernel and exchange back: `[bs, sl_l, ws * heads of the chunk, hs_v]`."""
+        plan, call = self.plans[c], self.call
+        kwargs = {**call.kwargs, **{k_[6:]: t for k_, t in extras.items() if k_.startswith("kwarg:")}}
+        attrs = {k_[5:]: t for k_, t in extras.items() if k_.startswith("attr:")}
+        call = dataclasses.replace(call, kwargs=kwargs, attrs=attrs)
+        first_head = call.groups.sp_rank * self.q_local + plan.offset
+        return attend_local_heads(call, q, k, v, plan.layout, first_head)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, extras: dict) -> torch.Tensor:
+        """All chunks, written into one `[bs, sl_l, hc, hs_v]` output."""
+        out = None
+        for c in range(self.chunks):
+            part = self.attend(c, *self.inputs(c, query, key, value), extras)  # [bs, sl_l, ws * hc_c, hs_v]
+            if out is None:
+                out = part.new_empty(part.shape[0], part.shape[1], query.shape[1], part.shape[-1])
+            # Chunk c of rank r holds the model's heads r * hc / ws + c * hc / (ws * C) + i.
+            self._q(out.transpose(1, 2), c).copy_(part.transpose(1, 2).unflatten(1, (self.ws, -1)))
+        return out
+
+    def add_grads(self, c: int, grads: list, chunk_grads: list) -> None:
+        """Add chunk c's gradients (as `inputs` made its q/k/v, then the per-head tensors) into `grads`."""
+        for i, (total, part) in enumerate(zip(grads, chunk_grads, strict=True)):
+            if total is None or part is None:
+                continue
+            if i == 0 or (i < 3 and self.plain_kv):
+                self._q(total, c).add_(part)
+            elif i < 3:
+                total.index_add_(1, head_index(self.plans[c].kv_index, total.device), part)
+            else:
+                total.add_(part)
+
+
+class _ChunkedHeads(torch.autograd.Function):
+    """The chunks in forward without a graph; in backward each chunk recomputed, then differentiated."""
+
+    @staticmethod
+    def forward(ctx, runner: _Chunks, query, key, value, *extras):
+        ctx.runner = runner
+        ctx.save_for_backward(query, key, value, *extras)
+        with torch.no_grad():
+            return runner.forward(query, key, value, dict(zip(runner.per_head_tensors(), extras, strict=True)))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        runner: _Chunks = ctx.runner
+        query, key, value, *extras = ctx.saved_tensors
+        grads = [torch.zeros_like(t) if t.requires_grad else None for t in (query, key, value, *extras)]
+        grad_heads = grad_out.transpose(1, 2)  # [bs, hc, sl_l, hs_v], a view
+        for c in range(runner.chunks):
+            runner.add_grads(c, grads, _chunk_backward(runner, c, grad_heads, (query, key, value), extras, grads))
+        return (None, *grads)
+
+
+def _chunk_backward(runner: _Chunks, c: int, grad_heads: torch.Tensor, qkv: tuple, extras: list, grads: list) -> list:
+    """Chunk c recomputed and differentiated: the gradients of its inputs (`_Chunks.inputs`, then the per-head
+    tensors), None where no gradient is wanted. A function of its own so that the chunk's tensors are freed
+    when it returns, before the next chunk runs."""
+    names = list(runner.per_head_tensors())
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(g is not None) for t, g in zip(runner.inputs(c, *qkv), grads, strict=False)]
+        local = [t.detach().requires_grad_(g is not None) for t, g in zip(extras, grads[3:], strict=True)]
+        out = runner.attend(c, *inputs, dict(zip(names, local, strict=True)))
+    leaves = [*inputs, *local]
+    wanted = [t for t in leaves if t.requires_grad]
+    if not wanted:
+        return [None] * len(leaves)
+    upstream = runner._q(grad_heads, c).flatten(1, 2).transpose(1, 2)  # [bs, sl_l, ws * hc_c, hs_v]
+    found = iter(torch.autograd.grad(out, wanted, upstream, allow_unused=True))
+    return [next(found) if t.requires_grad else None for t in leaves]

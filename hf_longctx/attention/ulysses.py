@@ -8,7 +8,7 @@ receives only the key/value heads its query heads use (GQA/MQA included).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -94,14 +94,17 @@ class _KernelModuleView:
     full-sequence/local-heads side, and a view avoids mutating the real module or the shared config.
     """
 
-    def __init__(self, module: torch.nn.Module, kv_groups: int, kernel_name: str, heads: slice) -> None:
+    def __init__(
+        self, module: torch.nn.Module, kv_groups: int, kernel_name: str, heads: slice, attrs: dict[str, Any]
+    ) -> None:
         self._module = module
         self._heads = heads
+        self._attrs = attrs  # attributes read from here instead of the module (see `KernelCall.attrs`)
         self.num_key_value_groups = kv_groups
         self.config = _ConfigView(module.config, kernel_name) if hasattr(module, "config") else None
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._module, name)
+        value = self._attrs[name] if name in self._attrs else getattr(self._module, name)
         if name in PER_HEAD_ATTRS and isinstance(value, torch.Tensor):
             return value[self._heads]  # a differentiable slice: this rank's heads only
         return value
@@ -119,20 +122,25 @@ class _ConfigView:
 def exchange_qkv(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: HeadLayout, groups: SequenceParallelGroups
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`."""
+    """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`.
+
+    A tensor may also come split per destination, `[bs, ws, heads per rank, sl_l, hs]` (head chunks pass
+    views of the model's q/k/v so: the send buffer is then their only copy).
+    """
     ws, group = groups.sp_world_size, groups.sp_group
     if layout.kv_index is not None:
         index = head_index(layout.kv_index, key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
+    split = [t if t.dim() == 5 else t.unflatten(1, (ws, -1)) for t in (query, key, value)]
     if query.shape[-1] == key.shape[-1] == value.shape[-1]:
         # One collective: per destination, [q heads | k heads | v heads] side by side. The cat writes the
         # send buffer rank-major, so the all-to-all sends it without another copy for any batch size.
         # [ws, bs, hc_l + 2 * kv_l, sl_l, hs]
-        qkv = torch.cat([t.unflatten(1, (ws, -1)).movedim(1, 0) for t in (query, key, value)], dim=2)
+        qkv = torch.cat([t.movedim(1, 0) for t in split], dim=2)
         qkv = all_to_all(qkv, scatter_dim=0, gather_dim=3, group=group)[0]  # [bs, hc_l + 2 * kv_l, sl, hs]
         return qkv.split([layout.q_local, layout.kv_local, layout.kv_local], dim=1)
     # Head dims differ (e.g. MLA): three collectives.
-    return tuple(all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
+    return tuple(all_to_all(t.flatten(1, 2), scatter_dim=1, gather_dim=2, group=group) for t in split)
 
 
 def ulysses_attention(
@@ -187,7 +195,10 @@ def check_shard(query: torch.Tensor, context: SequenceContext, sp_size: int) -> 
 
 @dataclass(frozen=True)
 class KernelCall:
-    """One attention call's kernel and what it needs besides q/k/v (see `ulysses_attention`'s arguments)."""
+    """One attention call's kernel and what it needs besides q/k/v (see `ulysses_attention`'s arguments).
+
+    `attrs` replaces module attributes the kernel reads (a recompute passes its own copies of the sinks).
+    """
 
     module: torch.nn.Module
     kernel: Callable[..., tuple[torch.Tensor, Any]]
@@ -196,6 +207,7 @@ class KernelCall:
     context: SequenceContext
     groups: SequenceParallelGroups
     kwargs: dict[str, Any]
+    attrs: dict[str, Any] = field(default_factory=dict)
 
 
 def attend_local_heads(
@@ -224,7 +236,7 @@ def attend_local_heads(
     for name in PER_HEAD_KWARGS:
         if isinstance(kwargs.get(name), torch.Tensor):
             kwargs[name] = kwargs[name][heads]
-    view = _KernelModuleView(call.module, layout.kv_groups_local, call.kernel_name, heads)
+    view = _KernelModuleView(call.module, layout.kv_groups_local, call.kernel_name, heads, call.attrs)
     # [bs, sl, hc_l, hs_v]; sdpa / eager run per document (or block), never with a [sl, sl] mask
     out = attend(call.kernel, view, call.family, call.context, q, k, v, kwargs, attention_chunk_size(call.module))
     return all_to_all(out, scatter_dim=1, gather_dim=2, group=call.groups.sp_group)  # [bs, sl_l, ws * hc_l, hs_v]

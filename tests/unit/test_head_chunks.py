@@ -71,3 +71,45 @@ def test_check_model_lists_valid_counts():
         check_model(model, 2, ulysses_head_chunks=3)
     with pytest.raises(ValueError, match="sp_backend='ulysses'"):
         check_model(model, 2, "hybrid", ulysses_head_chunks=2)
+
+
+def _attention_inputs(heads: int, kv_heads: int, seq: int = 24, dim: int = 16):
+    import torch
+
+    from hf_longctx.attention.kernels import SequenceContext
+
+    gen = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1, n, seq, dim, generator=gen, requires_grad=True) for n in (heads, kv_heads, kv_heads)]
+    # Two packed documents: the chunks must keep them apart as plain Ulysses does.
+    context = SequenceContext(torch.cat([torch.arange(10), torch.arange(seq - 10)]).unsqueeze(0))
+    return leaves, context
+
+
+@pytest.mark.parametrize("heads,kv_heads,chunks", [(8, 4, 2), (8, 4, 4), (4, 1, 4), (6, 6, 3)])
+def test_chunked_attention_equals_plain_on_one_rank(heads, kv_heads, chunks):
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_longctx import SequenceParallelGroups
+    from hf_longctx.attention.head_chunks import head_chunked_attention
+    from hf_longctx.attention.ulysses import ulysses_attention
+
+    module = tiny_model("llama", num_heads=heads, num_kv_heads=kv_heads, hidden=16 * heads).model.layers[0].self_attn
+    leaves, context = _attention_inputs(heads, kv_heads)
+    call = {"kernel": ALL_ATTENTION_FUNCTIONS["sdpa"], "kernel_name": "sdpa", "family": "sdpa"}
+    call.update(context=context, groups=SequenceParallelGroups.single(), dropout=0.0, scaling=0.25)
+    results = []
+    for run in (lambda q, k, v: ulysses_attention(module, q, k, v, **call)[0],
+                lambda q, k, v: head_chunked_attention(module, q, k, v, chunks=chunks, **call)[0]):  # fmt: skip
+        out = run(*(t * 1.0 for t in leaves))
+        out.backward(torch.ones_like(out) + out.detach())
+        results.append((out.detach(), [t.grad.clone() for t in leaves]))
+        for t in leaves:
+            t.grad = None
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+    for got, want in zip(chunked_grads, plain_grads, strict=True):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="attention dropout"):
+        head_chunked_attention(module, *leaves, chunks=chunks, **{**call, "dropout": 0.1})
