@@ -88,6 +88,11 @@ class ParallelismConfig(_AccelerateParallelismConfig):
             )
         self._check_ring_options()
         check_chunks_backend(self.ulysses_head_chunks, self.sp_backend)
+        if self.ulysses_head_chunks > 1 and self.sp_size == 1:
+            raise ValueError(
+                "ulysses_head_chunks applies under sequence parallelism (sp_size > 1): without SP the model's own "
+                "attention runs; set sp_size > 1 or ulysses_head_chunks=1."
+            )
         if self.sp_backend in UPSTREAM_BACKENDS:
             if self.memory_enabled:
                 raise ValueError(

@@ -146,7 +146,7 @@ def head_chunked_attention(
     runner = _Chunks(KernelCall(module, kernel, kernel_name, family, context, groups, kwargs), query, key, chunks)
     extras = runner.per_head_tensors()
     if not torch.is_grad_enabled():
-        return runner.forward(query, key, value, extras), None
+        return runner.forward(*runner.prepare(query, key, value, copy=False), extras), None
     return _ChunkedHeads.apply(runner, query, key, value, *extras.values()), None
 
 
@@ -161,6 +161,7 @@ class _Chunks:
         self.q_local = full.q_local
         # Each chunk's kv heads a slice of the rank's own (plain), or picked by index (replicated / copied).
         self.plain_kv = full.kv_index is None and full.kv_local > 1
+        self.kv_index = sum((plan.kv_index for plan in self.plans), ())  # chunk-major, when not plain
 
     def per_head_tensors(self) -> dict[str, torch.Tensor]:
         """The per-query-head tensors the kernel reads (sinks): module attributes and keyword arguments."""
@@ -178,14 +179,26 @@ class _Chunks:
         """Chunk c's view of a `[bs, hc, ...]` query-head tensor as `[bs, ws, hc / (ws * C), ...]`."""
         return x.unflatten(1, (self.ws, self.chunks, -1))[:, :, c]
 
-    def inputs(self, c: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[torch.Tensor]:
-        """Chunk c's q/k/v as `exchange_qkv` sends them: views `[bs, ws, heads of the chunk per rank, sl_l, hs]`
-        of the inputs, or `[bs, ws * heads, sl_l, hs]` gathered key/value heads (replicated or copied)."""
-        q = self._q(query, c)
+    def prepare(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, copy: bool) -> list[torch.Tensor]:
+        """The buffers the chunks read: q, k, v themselves (`copy=False`) or private copies (backward writes
+        each chunk's gradient over the chunk's inputs once it is done with them); gathered key/value heads
+        (all chunks, chunk-major) when they are not a plain split."""
         if self.plain_kv:
-            return [q, *(self._q(t, c) for t in (key, value))]
-        index = head_index(self.plans[c].kv_index, key.device)
-        return [q, key.index_select(1, index), value.index_select(1, index)]
+            return [t.clone() if copy else t for t in (query, key, value)]
+        index = head_index(self.kv_index, key.device)
+        return [query.clone() if copy else query, key.index_select(1, index), value.index_select(1, index)]
+
+    def _kv(self, x: torch.Tensor, c: int) -> torch.Tensor:
+        if self.plain_kv:
+            return self._q(x, c)
+        width = x.shape[1] // self.chunks
+        return x[:, c * width : (c + 1) * width]
+
+    def inputs(self, c: int, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Chunk c's q/k/v as `exchange_qkv` sends them, views of `prepare`'s buffers: `[bs, ws, heads of the
+        chunk per rank, sl_l, hs]`, or `[bs, ws * heads, sl_l, hs]` for gathered key/value heads."""
+        q, k, v = buffers
+        return [self._q(q, c), self._kv(k, c), self._kv(v, c)]
 
     def attend(self, c: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict) -> torch.Tensor:
         """Chunk c's exchange, kernel and exchange back: `[bs, sl_l, ws * heads of the chunk, hs_v]`."""
@@ -197,63 +210,74 @@ class _Chunks:
         return attend_local_heads(call, q, k, v, plan.layout, first_head)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, extras: dict) -> torch.Tensor:
-        """All chunks, written into one `[bs, sl_l, hc, hs_v]` output."""
+        """All chunks over `prepare`'s buffers, written into one `[bs, sl_l, hc, hs_v]` output."""
         out = None
         for c in range(self.chunks):
-            part = self.attend(c, *self.inputs(c, query, key, value), extras)  # [bs, sl_l, ws * hc_c, hs_v]
+            part = self.attend(c, *self.inputs(c, [query, key, value]), extras)  # [bs, sl_l, ws * hc_c, hs_v]
             if out is None:
                 out = part.new_empty(part.shape[0], part.shape[1], query.shape[1], part.shape[-1])
             # Chunk c of rank r holds the model's heads r * hc / ws + c * hc / (ws * C) + i.
             self._q(out.transpose(1, 2), c).copy_(part.transpose(1, 2).unflatten(1, (self.ws, -1)))
         return out
 
-    def add_grads(self, c: int, grads: list, chunk_grads: list) -> None:
-        """Add chunk c's gradients (as `inputs` made its q/k/v, then the per-head tensors) into `grads`."""
-        for i, (total, part) in enumerate(zip(grads, chunk_grads, strict=True)):
-            if total is None or part is None:
-                continue
-            if i == 0 or (i < 3 and self.plain_kv):
-                self._q(total, c).add_(part)
-            elif i < 3:
-                total.index_add_(1, head_index(self.plans[c].kv_index, total.device), part)
-            else:
-                total.add_(part)
+    def input_grads(self, buffers: list[torch.Tensor], key_shape: torch.Size) -> list[torch.Tensor]:
+        """q/k/v's gradients from `prepare`'s buffers once every chunk wrote its gradients into them."""
+        if self.plain_kv:
+            return buffers
+        index = head_index(self.kv_index, buffers[1].device)
+        return [buffers[0], *(b.new_zeros(key_shape).index_add_(1, index, b) for b in buffers[1:])]
 
 
 class _ChunkedHeads(torch.autograd.Function):
-    """The chunks in forward without a graph; in backward each chunk recomputed, then differentiated."""
+    """The chunks in forward without a graph; in backward each chunk recomputed, then differentiated.
+
+    Saved: private copies of q/k/v (`_Chunks.prepare`; the originals are freed when the caller drops them) and
+    the per-head tensors. Backward overwrites chunk c's part of the copies with chunk c's gradient as soon as
+    chunk c is done, so the copies become q/k/v's gradients without another q/k/v-sized buffer.
+    """
 
     @staticmethod
     def forward(ctx, runner: _Chunks, query, key, value, *extras):
-        ctx.runner = runner
-        ctx.save_for_backward(query, key, value, *extras)
+        buffers = runner.prepare(query, key, value, copy=True)
+        ctx.runner, ctx.key_shape = runner, key.shape
+        ctx.save_for_backward(*buffers, *extras)
         with torch.no_grad():
-            return runner.forward(query, key, value, dict(zip(runner.per_head_tensors(), extras, strict=True)))
+            return runner.forward(*buffers, dict(zip(runner.per_head_tensors(), extras, strict=True)))
 
     @staticmethod
     def backward(ctx, grad_out):
         runner: _Chunks = ctx.runner
-        query, key, value, *extras = ctx.saved_tensors
-        grads = [torch.zeros_like(t) if t.requires_grad else None for t in (query, key, value, *extras)]
+        saved = ctx.saved_tensors
+        buffers, extras = list(saved[:3]), list(saved[3:])
+        wanted = ctx.needs_input_grad[1:]
+        extra_grads = [torch.zeros_like(t) if w else None for t, w in zip(extras, wanted[3:], strict=True)]
         grad_heads = grad_out.transpose(1, 2)  # [bs, hc, sl_l, hs_v], a view
         for c in range(runner.chunks):
-            runner.add_grads(c, grads, _chunk_backward(runner, c, grad_heads, (query, key, value), extras, grads))
-        return (None, *grads)
+            grads = _chunk_backward(runner, c, grad_heads, buffers, extras, wanted)
+            with torch.no_grad():
+                for target, grad in zip(runner.inputs(c, buffers), grads[:3], strict=True):
+                    if grad is not None:
+                        target.copy_(grad)
+                for total, grad in zip(extra_grads, grads[3:], strict=True):
+                    if total is not None and grad is not None:
+                        total.add_(grad)
+        qkv = runner.input_grads(buffers, ctx.key_shape)
+        return (None, *(g if w else None for g, w in zip(qkv, wanted[:3], strict=True)), *extra_grads)
 
 
-def _chunk_backward(runner: _Chunks, c: int, grad_heads: torch.Tensor, qkv: tuple, extras: list, grads: list) -> list:
-    """Chunk c recomputed and differentiated: the gradients of its inputs (`_Chunks.inputs`, then the per-head
-    tensors), None where no gradient is wanted. A function of its own so that the chunk's tensors are freed
-    when it returns, before the next chunk runs."""
+def _chunk_backward(runner: _Chunks, c: int, grad_heads: torch.Tensor, buffers: list, extras: list, wanted) -> list:
+    """Chunk c recomputed and differentiated: the gradients of its q/k/v (`_Chunks.inputs`) and of the per-head
+    tensors, None where none is wanted. A function of its own so that the chunk's tensors are freed when it
+    returns, before the next chunk runs."""
     names = list(runner.per_head_tensors())
     with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(g is not None) for t, g in zip(runner.inputs(c, *qkv), grads, strict=False)]
-        local = [t.detach().requires_grad_(g is not None) for t, g in zip(extras, grads[3:], strict=True)]
+        inputs = [t.detach().requires_grad_(w) for t, w in zip(runner.inputs(c, buffers), wanted[:3], strict=True)]
+        local = [t.detach().requires_grad_(w) for t, w in zip(extras, wanted[3:], strict=True)]
         out = runner.attend(c, *inputs, dict(zip(names, local, strict=True)))
     leaves = [*inputs, *local]
-    wanted = [t for t in leaves if t.requires_grad]
-    if not wanted:
+    needed = [t for t in leaves if t.requires_grad]
+    if not needed:
         return [None] * len(leaves)
     upstream = runner._q(grad_heads, c).flatten(1, 2).transpose(1, 2)  # [bs, sl_l, ws * hc_c, hs_v]
-    found = iter(torch.autograd.grad(out, wanted, upstream, allow_unused=True))
+    found = iter(torch.autograd.grad(out, needed, upstream, allow_unused=True))
     return [next(found) if t.requires_grad else None for t in leaves]

@@ -21,6 +21,7 @@ from tests._models import tiny_model
         ({"sp_size": 2, "sp_backend": "ring", "ulysses_head_chunks": 2}, "sp_backend='ulysses'"),
         ({"sp_size": 2, "sp_backend": "auto", "ulysses_head_chunks": 2}, "sp_backend='ulysses'"),
         ({"sp_size": 2, "sp_backend": "deepspeed", "ulysses_head_chunks": 2}, "sp_backend='ulysses'"),
+        ({"sp_size": 1, "ulysses_head_chunks": 2}, "sp_size > 1"),
     ],
 )
 def test_bad_head_chunks_raise_naming_the_field(kwargs, match):
