@@ -4,12 +4,12 @@
 
 Each rank calls the attention `enable_sequence_parallel` installs (Ulysses, or `head_chunked_attention`) on
 sequence-sharded q/k/v of one model layer (sdpa, fp32, one document) and runs its backward. A dispatch mode
-counts the bytes of every tensor storage created from then on until autograd frees it, relative to the moment
-the call starts (q/k/v exist then and are referenced by nothing but the call, as RoPE's outputs in a model):
-the peak in forward, what stays alive after it (what autograd saves for backward, plus the output), and the
-peak in backward (the gradients of q/k/v it hands back included). Also printed: the bytes of one
-full-sequence q/k/v/o set a rank holds at a time (`heads / (sp * chunks)` heads), the buffers the chunks
-shrink. Results go to `benchmarks/results/<date>-head-chunks.{json,md}`.
+counts the bytes of every tensor storage from its creation until autograd frees it, from the sequence-sharded
+q/k/v on (made just before the call and referenced by nothing but it, as RoPE's outputs in a model): the
+peak in forward, what stays alive after it (what autograd saves for backward, plus the output), and the
+peak in backward (the output's gradient, not counted, aside; the q/k/v gradients it returns included).
+Also printed: the bytes of one full-sequence q/k/v/o set a rank holds at a time (`heads / (sp * chunks)`
+heads), the buffers the chunks shrink. Results go to `benchmarks/results/<date>-head-chunks.{json,md}`.
 """
 
 from __future__ import annotations
@@ -92,13 +92,12 @@ def measure(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
         # What the model hands the attention (RoPE's outputs): referenced by nothing but the call.
         q, k, v = (t * 1.0 for t in leaves)
         inputs = sum(t.nbytes for t in (q, k, v))
-        base = mode.live
         out, _ = attention(module, q, k, v, None, **kwargs)
         del q, k, v
-        forward_peak, retained = mode.peak - base, mode.live - base
+        forward_peak, retained = mode.peak, mode.live
         mode.reset_peak()
         out.backward(grad)
-        backward_peak = mode.peak - base
+        backward_peak = mode.peak
     handle.remove()
     layout = head_layout(heads, kv_heads, world)
     element = 4  # fp32
@@ -138,10 +137,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, 
         f"{shape['head_dim']}, {R.seq(shape['seq'])} tokens (one document) over 2 ranks, sdpa, fp32. Bytes of the "
         "tensors the call creates (a dispatch mode counts each storage from its creation until autograd frees it): "
         "the forward's peak, what stays alive for backward (saved tensors + the output), and the backward's peak "
-        "(including the q/k/v gradients it returns, "
-        f"{R.fmt(base['input_grads'], '.1f', R.MiB)} MiB), all relative to the start of the call, when the "
-        f"sequence-sharded q/k/v ({R.fmt(base['inputs'], '.1f', R.MiB)} MiB) exist and only the call holds them "
-        "(negative: the call freed them). Worst rank; x = ratio to chunks = 1.",
+        f"(including the q/k/v gradients it returns, {R.fmt(base['input_grads'], '.1f', R.MiB)} MiB), counted "
+        f"from the sequence-sharded q/k/v on ({R.fmt(base['inputs'], '.1f', R.MiB)} MiB, made for the call and "
+        f"held by it alone); the output is {R.fmt(base['output'], '.1f', R.MiB)} MiB. Worst rank; x = ratio to "
+        "chunks = 1.",
         "",
         *R.table(columns, rows),
         "",

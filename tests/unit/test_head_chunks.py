@@ -114,3 +114,88 @@ def test_chunked_attention_equals_plain_on_one_rank(heads, kv_heads, chunks):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="attention dropout"):
         head_chunked_attention(module, *leaves, chunks=chunks, **{**call, "dropout": 0.1})
+
+
+# ---- the planner's model of the option ---------------------------------------------------------------
+
+
+def _planner():
+    from hf_longctx.planner import DEVICES, RunConfig, estimate
+    from hf_longctx.planner.model_shape import load_model_shape
+    from hf_longctx.planner.terms import head_chunk_kv, layer_bytes
+    from hf_longctx.planner.terms import valid_head_chunks as planner_valid
+
+    return DEVICES, RunConfig, estimate, load_model_shape, head_chunk_kv, layer_bytes, planner_valid
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b", "qwen3-4b"])
+@pytest.mark.parametrize("sp", [2, 4, 8])
+def test_planner_head_chunks_follow_the_implementation(name, sp):
+    _, _, _, load_model_shape, head_chunk_kv, _, planner_valid = _planner()
+    shape = load_model_shape(name)
+    valid = valid_head_chunks(shape.heads, shape.kv_heads, sp)
+    assert planner_valid(shape, sp) == valid and len(valid) > 1
+    for chunks in valid:
+        plan = head_chunks(shape.heads, shape.kv_heads, sp, chunks)[0]
+        assert head_chunk_kv(shape, sp, chunks) == plan.layout.kv_local
+
+
+def test_planner_terms_with_head_chunks():
+    devices, RunConfig, estimate, load_model_shape, _, layer_bytes, _ = _planner()
+    shape = load_model_shape("llama3.1-8b")
+    flags = {"gradient_checkpointing": True, "tiled_loss": True, "tiled_mlp": True, "engine": "zero3"}
+    base = RunConfig(seq_len=2**20, world=8, sp=8, **flags)
+    tokens = base.seq_len // base.sp
+    plain = layer_bytes(shape, base, tokens, on_cpu=False)
+    # chunks = 1 is the unchunked model, term for term.
+    assert layer_bytes(shape, RunConfig(**{**base.__dict__, "ulysses_head_chunks": 1}), tokens, False) == plain
+    a, d = base.act_bytes, shape.head_dim
+    qkv = a * tokens * d * (shape.heads + 2 * 8 * 1)  # one kv head per rank at SP=8
+    assert plain.all_to_all == qkv
+    previous = plain
+    for chunks in (2, 4):
+        layer = layer_bytes(shape, RunConfig(**{**base.__dict__, "ulysses_head_chunks": chunks}), tokens, False)
+        # The exchange buffer: the chunk's query heads, and the one kv head each chunk sends again.
+        assert layer.all_to_all == a * tokens * d * (shape.heads // chunks + 2 * 8)
+        # Saved (the recompute, under checkpointing): sequence-sharded q/k/v instead of the kernel's q/k/v, output
+        # and log-sum-exp, whatever the count; backward: the whole q/k/v gradient but one chunk's kernel terms.
+        expected = plain.saved - (qkv + 4 * tokens * shape.heads + a * tokens * shape.heads * d)
+        assert layer.saved == expected + a * tokens * d * (shape.heads + 2 * shape.kv_heads)
+        total = lambda b: b.saved + b.backward + b.all_to_all  # noqa: E731 - the backward phase's layer terms
+        assert total(layer) < total(previous)
+        previous = layer
+    peaks = [
+        estimate(shape, RunConfig(**{**base.__dict__, "ulysses_head_chunks": c}), devices["h100"]).peak_gib
+        for c in (1, 2, 4)
+    ]
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_planner_refuses_bad_head_chunks():
+    devices, RunConfig, estimate, load_model_shape, _, _, _ = _planner()
+    shape = load_model_shape("llama3.1-8b")
+    with pytest.raises(ValueError, match=r"valid: \[1, 2, 4\]"):
+        estimate(shape, RunConfig(seq_len=8192, world=8, sp=8, ulysses_head_chunks=3), devices["h100"])
+    with pytest.raises(ValueError, match="--sp > 1"):
+        RunConfig(seq_len=8192, ulysses_head_chunks=2)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        RunConfig(seq_len=8192, sp=2, world=2, ulysses_head_chunks=0)
+
+
+def test_plan_cli_takes_head_chunks(capsys):
+    import json
+
+    from hf_longctx.cli import main
+
+    argv = ["plan", "--model", "llama3.1-8b", "--seq-len", "1048576", "--world", "8", "--sp", "8"]
+    argv += ["--gradient-checkpointing", "--tiled-loss", "--tiled-mlp", "--engine", "zero3"]
+    main([*argv, "--json"])
+    plain = json.loads(capsys.readouterr().out)
+    main([*argv, "--ulysses-head-chunks", "4", "--json"])
+    chunked = json.loads(capsys.readouterr().out)
+    assert chunked["run"]["ulysses_head_chunks"] == 4 and plain["run"]["ulysses_head_chunks"] == 1
+    assert chunked["peak_gib"] < plain["peak_gib"]
+    main([*argv, "--ulysses-head-chunks", "4"])
+    assert "4 Ulysses head chunks" in capsys.readouterr().out
+    assert main([*argv, "--ulysses-head-chunks", "3"]) == 2
+    assert "valid: [1, 2, 4]" in capsys.readouterr().err
