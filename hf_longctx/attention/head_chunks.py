@@ -67,13 +67,13 @@ def check_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int, chunks: i
 
 @dataclass(frozen=True)
 class HeadChunk:
-    """One chunk: the query and key/value heads to send, destination by destination, and what arrives.
+    """One chunk: the key/value heads to send, destination by destination, and what each rank receives.
 
-    `q_index` / `kv_index` are the model's head indices, `ws` blocks of `layout.q_local` / `layout.kv_local`;
-    `offset` is the chunk's first query head within a rank's local heads.
+    Rank r's chunk holds the model's query heads `r * q_local + offset + [0, layout.q_local)` (q_local: the
+    rank's heads without chunks); `kv_index` lists the model's key/value heads sent, `ws` blocks of
+    `layout.kv_local`.
     """
 
-    q_index: tuple[int, ...]
     kv_index: tuple[int, ...]
     layout: HeadLayout
     offset: int
@@ -96,10 +96,9 @@ def head_chunks(num_heads: int, num_kv_heads: int, sp_size: int, chunks: int) ->
     qc, kc = ql // chunks, (kl // chunks if kl > 1 else 1)
     plans = []
     for c in range(chunks):
-        q_index = tuple(r * ql + c * qc + i for r in range(sp_size) for i in range(qc))
         kv_slot = tuple(c * kc + j if kl > 1 else 0 for j in range(kc))
         kv_index = tuple(sent[r * kl + j] for r in range(sp_size) for j in kv_slot)
-        plans.append(HeadChunk(q_index, kv_index, HeadLayout(qc, kc, qc // kc, None), c * qc))
+        plans.append(HeadChunk(kv_index, HeadLayout(qc, kc, qc // kc, None), c * qc))
     return tuple(plans)
 
 
@@ -119,9 +118,10 @@ def head_chunked_attention(
 ) -> tuple[torch.Tensor, None]:
     """`ulysses_attention` run over `chunks` chunks of the local heads (same arguments, plus `chunks`).
 
-    In training the chunks run inside `_ChunkedHeads`, an autograd function that saves only its inputs
-    (the sequence-sharded q/k/v, and the per-head sinks) and recomputes each chunk's exchange and kernel
-    forward in backward, one chunk at a time, writing each chunk's gradient into q/k/v's gradient. Without
+    In training the chunks run inside `_ChunkedHeads`, an autograd function that saves only a copy of its
+    inputs (the sequence-sharded q/k/v; the model's own are then freed) and the per-head sinks, and recomputes
+    each chunk's exchange and kernel forward in backward, one chunk at a time, writing each chunk's gradient
+    over its part of the copy, which becomes q/k/v's gradient. Without
     that, every chunk's kernel would save its full-sequence q/k/v and output (and log-sum-exp) until backward,
     all chunks together as much as unchunked Ulysses; `torch.utils.checkpoint` per chunk avoids that but
     hands each chunk's gradient back separately (sliced selections: a full-size zero gradient per chunk;
@@ -255,9 +255,11 @@ class _ChunkedHeads(torch.autograd.Function):
         for c in range(runner.chunks):
             grads = _chunk_backward(runner, c, grad_heads, buffers, extras, wanted)
             with torch.no_grad():
-                for target, grad in zip(runner.inputs(c, buffers), grads[:3], strict=True):
-                    if grad is not None:
+                for target, grad, w in zip(runner.inputs(c, buffers), grads[:3], wanted[:3], strict=True):
+                    if w and grad is not None:
                         target.copy_(grad)
+                    elif w:  # unused by the chunk: zero, not the input left in the buffer
+                        target.zero_()
                 for total, grad in zip(extra_grads, grads[3:], strict=True):
                     if total is not None and grad is not None:
                         total.add_(grad)

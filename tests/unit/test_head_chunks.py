@@ -53,12 +53,12 @@ def test_valid_counts_keep_whole_query_groups(heads, kv_heads, sp, valid):
     for chunks in valid:
         plans = head_chunks(heads, kv_heads, sp, chunks)
         # Every rank's query heads are covered exactly once, chunk by chunk.
-        sent = sorted(h for plan in plans for h in plan.q_index)
-        assert sent == list(range(heads))
+        local = [range(plan.offset, plan.offset + plan.layout.q_local) for plan in plans]
+        assert sorted(h for heads_ in local for h in heads_) == list(range(full.q_local))
         for plan in plans:
             assert plan.layout.q_local * chunks == full.q_local
             for r in range(sp):
-                q = plan.q_index[r * plan.layout.q_local : (r + 1) * plan.layout.q_local]
+                q = [r * full.q_local + h for h in range(plan.offset, plan.offset + plan.layout.q_local)]
                 kv = plan.kv_index[r * plan.layout.kv_local : (r + 1) * plan.layout.kv_local]
                 # Local query head i reads local kv head i // group, and that is the model's kv head of it.
                 group = plan.layout.kv_groups_local
