@@ -77,6 +77,10 @@ FLAG_POINTS = [
     {"name": "sp2-s16384-tiled-mlp", "seq_len": 16384, "sp": 2, "flags": {"tiled_mlp": True}},
     {"name": "sp2-s8192-gc-all-flags", "seq_len": 8192, "sp": 2, "gradient_checkpointing": True, "flags": ALL_FLAGS},
     {"name": "sp2-s16384-all-flags", "seq_len": 16384, "sp": 2, "flags": ALL_FLAGS},
+    {"name": "sp2-s16384-gc-head-chunks4", "seq_len": 16384, "sp": 2, "gradient_checkpointing": True,
+     "flags": {"ulysses_head_chunks": 4}},
+    {"name": "sp2-s16384-all-flags-head-chunks4", "seq_len": 16384, "sp": 2,
+     "flags": {**ALL_FLAGS, "ulysses_head_chunks": 4}},
     {"name": "sp1-s8192-all-flags", "seq_len": 8192, "sp": 1, "flags": ALL_FLAGS},
 ]  # fmt: skip
 
@@ -111,6 +115,7 @@ def run_config(point: dict[str, Any]):
         tiled_mlp=flags.get("tiled_mlp", False),
         offload_activations=flags.get("offload_activations", False),
         loss_chunk_tokens=point.get("loss_chunk_tokens"),
+        ulysses_head_chunks=flags.get("ulysses_head_chunks", 1),
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from accelerate.parallelism_config import ParallelismConfig as _AccelerateParallelismConfig
 
 from hf_longctx.attention.backends import BACKENDS as OUR_BACKENDS
+from hf_longctx.attention.head_chunks import check_chunks_backend
 from hf_longctx.attention.ring.attention import VARIANTS as RING_VARIANTS
 from hf_longctx.data.layout import LAYOUTS as RING_LAYOUTS
 from hf_longctx.distributed.groups import validate_sp_size
@@ -44,6 +45,14 @@ class ParallelismConfig(_AccelerateParallelismConfig):
     )
     ring_layout: str = field(
         default="zigzag", metadata={"help": f"ring/hybrid token layout: one of {list(RING_LAYOUTS)}."}
+    )
+    ulysses_head_chunks: int = field(
+        default=1,
+        metadata={
+            "help": "ulysses: run the all-to-all and the attention kernel over this many chunks of each rank's "
+            "heads (recomputed per chunk in backward), so the full-sequence q/k/v/o hold heads / (sp_size * "
+            "chunks) heads at a time. Must divide the key/value heads each rank receives; 1 = no chunking."
+        },
     )
 
     tiled_loss: bool | str = field(
@@ -78,6 +87,12 @@ class ParallelismConfig(_AccelerateParallelismConfig):
                 f"{list(OUR_BACKENDS + UPSTREAM_BACKENDS)}."
             )
         self._check_ring_options()
+        check_chunks_backend(self.ulysses_head_chunks, self.sp_backend)
+        if self.ulysses_head_chunks > 1 and self.sp_size == 1:
+            raise ValueError(
+                "ulysses_head_chunks applies under sequence parallelism (sp_size > 1): without SP the model's own "
+                "attention runs; set sp_size > 1 or ulysses_head_chunks=1."
+            )
         if self.sp_backend in UPSTREAM_BACKENDS:
             if self.memory_enabled:
                 raise ValueError(
@@ -123,6 +138,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
             "ulysses_degree": self.ulysses_degree,
             "ring_variant": self.ring_variant,
             "ring_layout": self.ring_layout,
+            "ulysses_head_chunks": self.ulysses_head_chunks,
         }
 
     def build_device_mesh(self, device_type: str):

@@ -20,6 +20,7 @@ import torch
 from hf_longctx import _compat
 from hf_longctx.attention.auto import detect_link
 from hf_longctx.attention.backends import SPBackend, agree_across_ranks, decided_locally, resolve_backend
+from hf_longctx.attention.head_chunks import check_chunks_backend, check_head_chunks, head_chunked_attention
 from hf_longctx.attention.kernels import SequenceContext, kernel_family
 from hf_longctx.attention.linear.support import attach_linear_layers, check_token_mixers, linear_layers
 from hf_longctx.attention.ring.hybrid import check_ring_model, hybrid_attention
@@ -149,6 +150,7 @@ def check_model(
     ring_variant: str | None = None,
     ring_layout: str = "zigzag",
     ranks_per_node: int | None = None,
+    ulysses_head_chunks: int = 1,
 ) -> SPBackend:
     """Every check `enable_sequence_parallel` makes on a model, without changing it.
 
@@ -161,16 +163,18 @@ def check_model(
     Raises:
         ValueError: unknown backend or options, an unsupported attention implementation, head
             counts incompatible with the backend and `sp_size`, ring attention with soft-capping or
-            sinks, or token mixing outside attention.
+            sinks, `ulysses_head_chunks` that do not split the local heads, or token mixing outside attention.
     """
     _compat.check_versions()
+    check_chunks_backend(ulysses_head_chunks, backend)
     config = _attention_config(model)
     kernel_family(config._attn_implementation or "eager")
     num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     sp = resolve_backend(
         backend,
         num_heads,
-        getattr(config, "num_key_value_heads", None) or num_heads,
+        num_kv_heads,
         sp_size,
         ulysses_degree=ulysses_degree,
         ring_variant=ring_variant,
@@ -180,6 +184,8 @@ def check_model(
     )
     if sp.name != "ulysses":
         check_ring_model(config, model)
+    if ulysses_head_chunks != 1:
+        check_head_chunks(num_heads, num_kv_heads, sp_size, ulysses_head_chunks)
     check_token_mixers(model, sp_size)
     return sp
 
@@ -192,6 +198,7 @@ def enable_sequence_parallel(
     ulysses_degree: int | None = None,
     ring_variant: str | None = None,
     ring_layout: str = "zigzag",
+    ulysses_head_chunks: int = 1,
 ) -> SequenceParallelHandle:
     """Make `model`'s attention sequence-parallel over `groups.sp_group`.
 
@@ -208,6 +215,9 @@ def enable_sequence_parallel(
         ulysses_degree: hybrid/auto: the Ulysses degree (default: chosen, see `attention/auto.py`).
         ring_variant: "p2p" (pass-KV, the default) or "allgather" (auto: chosen).
         ring_layout: "zigzag" (default: balanced causal work) or "contiguous", for ring and hybrid.
+        ulysses_head_chunks: Ulysses only: run the exchange and the kernel over this many chunks of the
+            local heads (`attention/head_chunks.py`), so the full-sequence q/k/v/o hold
+            `heads / (sp * chunks)` heads at a time; 1 = all at once.
 
     Returns:
         A handle; `handle.remove()` (or leaving it as a context manager) restores the model exactly.
@@ -217,9 +227,9 @@ def enable_sequence_parallel(
         ValueError: unknown backend or options, SP already enabled on this model, an unsupported
             attention implementation, head counts incompatible with the backend and SP size, "auto"
             resolved differently on some SP rank (one all-gather over the SP group, on every rank), ring
-            attention with soft-capping or sinks, another model on `groups` with a different token
-            layout, or token mixing outside attention (convolutions, state-space or linear-attention
-            layers).
+            attention with soft-capping or sinks, `ulysses_head_chunks` invalid for the model or backend,
+            another model on `groups` with a different token layout, or token mixing outside attention
+            (convolutions, state-space or linear-attention layers).
     """
     if getattr(model, _HANDLE_ATTR, None) is not None:
         raise ValueError("Sequence parallelism is already enabled on this model; call handle.remove() first.")
@@ -231,6 +241,7 @@ def enable_sequence_parallel(
         ring_variant=ring_variant,
         ring_layout=ring_layout,
         ranks_per_node=groups.ranks_per_node,
+        ulysses_head_chunks=ulysses_head_chunks,
     )
     if groups.sp_enabled and decided_locally(backend, ulysses_degree):
         # Before anything collective depends on the choice (the hybrid groups below, the first forward).
@@ -258,18 +269,10 @@ def enable_sequence_parallel(
         kernel = kernels.get(type(module))
         if kernel is None:
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
-        return ulysses_attention(
-            module,
-            query,
-            key_,
-            value,
-            kernel=kernel,
-            kernel_name=kernel_name,
-            family=family,
-            context=context,
-            groups=groups,
-            **kwargs,
-        )
+        call = {"kernel": kernel, "kernel_name": kernel_name, "family": family, "context": context, "groups": groups}
+        if ulysses_head_chunks > 1:
+            return head_chunked_attention(module, query, key_, value, chunks=ulysses_head_chunks, **call, **kwargs)
+        return ulysses_attention(module, query, key_, value, **call, **kwargs)
 
     attn_registry, mask_registry = _compat.attention_registries()
     try:
@@ -294,11 +297,12 @@ def enable_sequence_parallel(
         handle.remove()
         raise
     logger.info(
-        "hf_longctx: %s attention over %d ranks (kernel %s, key %s)%s",
+        "hf_longctx: %s attention over %d ranks (kernel %s, key %s)%s%s",
         sp.name,
         groups.sp_world_size,
         kernel_name if sp.name == "ulysses" else "ring LSE kernels",
         key,
+        f"; {ulysses_head_chunks} head chunks" if ulysses_head_chunks > 1 else "",
         f"; {backend}: {sp.reason}" if sp.reason else "",
     )
     return handle

@@ -8,7 +8,7 @@ receives only the key/value heads its query heads use (GQA/MQA included).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -73,10 +73,11 @@ def head_layout(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     return HeadLayout(q_local, q_local, 1, index)
 
 
-@lru_cache(maxsize=64)
-def _kv_index(kv_index: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # Built once per layout and device, not once per layer call (a host-to-device copy on GPU).
-    return torch.tensor(kv_index, device=device)
+@lru_cache(maxsize=256)
+def head_index(index: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`index` as a tensor on `device`, built once per layout and device, not once per layer call (a
+    host-to-device copy on GPU)."""
+    return torch.tensor(index, device=device)
 
 
 # Per-query-head tensors that kernels read from the attention module or receive as keyword arguments:
@@ -93,14 +94,17 @@ class _KernelModuleView:
     full-sequence/local-heads side, and a view avoids mutating the real module or the shared config.
     """
 
-    def __init__(self, module: torch.nn.Module, kv_groups: int, kernel_name: str, heads: slice) -> None:
+    def __init__(
+        self, module: torch.nn.Module, kv_groups: int, kernel_name: str, heads: slice, attrs: dict[str, Any]
+    ) -> None:
         self._module = module
         self._heads = heads
+        self._attrs = attrs  # attributes read from here instead of the module (see `KernelCall.attrs`)
         self.num_key_value_groups = kv_groups
         self.config = _ConfigView(module.config, kernel_name) if hasattr(module, "config") else None
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._module, name)
+        value = self._attrs[name] if name in self._attrs else getattr(self._module, name)
         if name in PER_HEAD_ATTRS and isinstance(value, torch.Tensor):
             return value[self._heads]  # a differentiable slice: this rank's heads only
         return value
@@ -118,20 +122,25 @@ class _ConfigView:
 def exchange_qkv(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: HeadLayout, groups: SequenceParallelGroups
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`."""
+    """Sequence-sharded `[bs, hc, sl_l, hs]` q/k/v -> head-sharded `[bs, hc_l, sl, hs]`.
+
+    A tensor may also come split per destination, `[bs, ws, heads per rank, sl_l, hs]` (head chunks pass
+    views of the model's q/k/v so: the send buffer is then their only copy).
+    """
     ws, group = groups.sp_world_size, groups.sp_group
     if layout.kv_index is not None:
-        index = _kv_index(layout.kv_index, key.device)
+        index = head_index(layout.kv_index, key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
+    split = [t if t.dim() == 5 else t.unflatten(1, (ws, -1)) for t in (query, key, value)]
     if query.shape[-1] == key.shape[-1] == value.shape[-1]:
         # One collective: per destination, [q heads | k heads | v heads] side by side. The cat writes the
         # send buffer rank-major, so the all-to-all sends it without another copy for any batch size.
         # [ws, bs, hc_l + 2 * kv_l, sl_l, hs]
-        qkv = torch.cat([t.unflatten(1, (ws, -1)).movedim(1, 0) for t in (query, key, value)], dim=2)
+        qkv = torch.cat([t.movedim(1, 0) for t in split], dim=2)
         qkv = all_to_all(qkv, scatter_dim=0, gather_dim=3, group=group)[0]  # [bs, hc_l + 2 * kv_l, sl, hs]
         return qkv.split([layout.q_local, layout.kv_local, layout.kv_local], dim=1)
     # Head dims differ (e.g. MLA): three collectives.
-    return tuple(all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
+    return tuple(all_to_all(t.flatten(1, 2), scatter_dim=1, gather_dim=2, group=group) for t in split)
 
 
 def ulysses_attention(
@@ -168,22 +177,66 @@ def ulysses_attention(
         ValueError: head counts incompatible with the SP size, or the shard length does not
             match the forward's global sequence.
     """
-    bs, num_heads, sl_l, _ = query.shape
-    ws = groups.sp_world_size
-    if context.position_ids.shape != (bs, sl_l * ws):
+    check_shard(query, context, groups.sp_world_size)
+    layout = head_layout(query.shape[1], key.shape[1], groups.sp_world_size)
+    call = KernelCall(module, kernel, kernel_name, family, context, groups, kwargs)
+    return attend_local_heads(call, query, key, value, layout, groups.sp_rank * layout.q_local), None
+
+
+def check_shard(query: torch.Tensor, context: SequenceContext, sp_size: int) -> None:
+    """Raise a `ValueError` when the `[bs, hc, sl_l, hs]` shard does not match the forward's global sequence."""
+    bs, _, sl_l, _ = query.shape
+    if context.position_ids.shape != (bs, sl_l * sp_size):
         raise ValueError(
-            f"Local shard [bs={bs}, seq={sl_l}] x sp={ws} does not match the global position_ids "
+            f"Local shard [bs={bs}, seq={sl_l}] x sp={sp_size} does not match the global position_ids "
             f"{tuple(context.position_ids.shape)}: build the batch with hf_longctx.shard_batch."
         )
-    layout = head_layout(num_heads, key.shape[1], ws)
-    q, k, v = exchange_qkv(query, key, value, layout, groups)
-    heads = slice(groups.sp_rank * layout.q_local, (groups.sp_rank + 1) * layout.q_local)
-    kernel_kwargs = dict(kwargs)
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One attention call's kernel and what it needs besides q/k/v (see `ulysses_attention`'s arguments).
+
+    `attrs` replaces module attributes the kernel reads (a recompute passes its own copies of the sinks).
+    """
+
+    module: torch.nn.Module
+    kernel: Callable[..., tuple[torch.Tensor, Any]]
+    kernel_name: str
+    family: str
+    context: SequenceContext
+    groups: SequenceParallelGroups
+    kwargs: dict[str, Any]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+def attend_local_heads(
+    call: KernelCall,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: HeadLayout,
+    first_head: int,
+) -> torch.Tensor:
+    """Exchange, the kernel over the full sequence on this rank's `layout.q_local` heads, exchange back.
+
+    Args:
+        call: the kernel and its inputs.
+        query, key, value: sequence-sharded, the heads to exchange in the order `layout` sends them.
+        layout: what each rank receives (`kv_index=None`: a plain split of `key` / `value`).
+        first_head: the model's index of this rank's first query head (per-head tensors such as sinks
+            are sliced from there).
+
+    Returns:
+        `[bs, sl_l, ws * q_local, hs_v]`, heads in the order `query` sent them.
+    """
+    q, k, v = exchange_qkv(query, key, value, layout, call.groups)
+    heads = slice(first_head, first_head + layout.q_local)
+    kwargs = dict(call.kwargs)
     for name in PER_HEAD_KWARGS:
-        if isinstance(kernel_kwargs.get(name), torch.Tensor):
-            kernel_kwargs[name] = kernel_kwargs[name][heads]
-    view = _KernelModuleView(module, layout.kv_groups_local, kernel_name, heads)
+        if isinstance(kwargs.get(name), torch.Tensor):
+            kwargs[name] = kwargs[name][heads]
+    view = _KernelModuleView(call.module, layout.kv_groups_local, call.kernel_name, heads, call.attrs)
     # [bs, sl, hc_l, hs_v]; sdpa / eager run per document (or block), never with a [sl, sl] mask
-    out = attend(kernel, view, family, context, q, k, v, kernel_kwargs, attention_chunk_size(module))
-    out = all_to_all(out, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, sl_l, hc, hs_v]
-    return out, None
+    out = attend(call.kernel, view, call.family, call.context, q, k, v, kwargs, attention_chunk_size(call.module))
+    return all_to_all(out, scatter_dim=1, gather_dim=2, group=call.groups.sp_group)  # [bs, sl_l, ws * hc_l, hs_v]

@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--offload-activations", action="store_true", help="checkpointed layer inputs on the host")
     parser.add_argument(
+        "--ulysses-head-chunks",
+        type=int,
+        default=1,
+        metavar="C",
+        help="Ulysses exchange + attention over C chunks of each rank's heads (default 1: all at once)",
+    )
+    parser.add_argument(
         "--host-memory",
         type=float,
         metavar="GIB",
@@ -102,6 +109,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         sp_backend=args.sp_backend,
         ranks_per_node=args.ranks_per_node,
         host_memory_gib=args.host_memory,
+        ulysses_head_chunks=args.ulysses_head_chunks,
     )
 
 
@@ -137,6 +145,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
             ("tiled loss", run.tiled_loss),
             (f"tiled MLP ({'auto' if run.tiled_mlp is True else run.tiled_mlp} tiles)", run.tiled_mlp),
             ("offloaded activations", run.offload_activations),
+            (f"{run.ulysses_head_chunks} Ulysses head chunks", run.ulysses_head_chunks > 1),
             ("offloaded optimizer", run.offload_optimizer),
             ("offloaded parameters", run.offload_params),
             ("Liger kernels", run.liger_kernels),

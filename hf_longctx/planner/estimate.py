@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from hf_longctx.planner.devices import DeviceProfile
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 from hf_longctx.planner.run import RunConfig
-from hf_longctx.planner.terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes
+from hf_longctx.planner.terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes, valid_head_chunks
 
 GIB = 2**30
 TERMS = (
@@ -168,9 +168,15 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         A `Plan`: the terms of the phase with the highest total, in GiB (they sum to `peak_gib`).
 
     Raises:
-        ValueError: `run.sp` does not divide the query heads.
+        ValueError: `run.sp` does not divide the query heads, or `run.ulysses_head_chunks` does not split them.
     """
     check_heads(model, run.sp)
+    valid = valid_head_chunks(model, run.sp)
+    if run.ulysses_head_chunks not in valid:
+        raise ValueError(
+            f"--ulysses-head-chunks {run.ulysses_head_chunks} does not split the heads of a rank into whole query "
+            f"groups ({model.heads} query / {model.kv_heads} key-value heads at --sp {run.sp}); valid: {valid}."
+        )
     notes: list[str] = []
     a, h, n_layers = run.act_bytes, model.hidden, model.layers
     tokens = run.micro_batch * ceil_div(run.seq_len, run.sp)  # local tokens, padded to a multiple of sp

@@ -21,6 +21,7 @@ class RunConfig:
     the engine (hf_longctx hides its SP axis from DeepSpeed / FSDP), so ZeRO and FSDP shard over
     `world`. `tiled_mlp` is False, True (tiles of `hidden` tokens, DeepSpeed's TiledMLP rule) or a
     tile count; `offload_activations` checkpoints every layer, with or without `gradient_checkpointing`.
+    `ulysses_head_chunks` runs the Ulysses exchange and kernel over that many chunks of each rank's heads.
     `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`). `host_memory_gib`
     is one node's RAM for pinned offloaded activations (None: unlimited), shared by `ranks_per_node`
     ranks (default: min(world, 8)).
@@ -44,6 +45,7 @@ class RunConfig:
     sp_backend: str = "ulysses"
     ranks_per_node: int | None = None
     host_memory_gib: float | None = None
+    ulysses_head_chunks: int = 1
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "world", "sp", "micro_batch"):
@@ -66,6 +68,11 @@ class RunConfig:
             raise ValueError("DeepSpeed offloads parameters only with the optimizer: add --offload-optimizer.")
         if not isinstance(self.tiled_mlp, bool) and (not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 1):
             raise ValueError(f"tiled_mlp must be True/False or a tile count >= 1, got {self.tiled_mlp!r}.")
+        chunks = self.ulysses_head_chunks
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"--ulysses-head-chunks must be an integer >= 1, got {chunks!r}.")
+        if chunks > 1 and self.sp == 1:
+            raise ValueError("--ulysses-head-chunks applies under sequence parallelism: use --sp > 1 or drop it.")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}.")
         if self.sp_backend in UNMODELLED_BACKENDS:

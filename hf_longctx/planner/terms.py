@@ -50,6 +50,20 @@ def kv_heads_per_rank(model: ModelShape, sp: int) -> int:
     return 1 if group % q_local == 0 else q_local
 
 
+def valid_head_chunks(model: ModelShape, sp: int) -> list[int]:
+    """`ulysses_head_chunks` values for this model at `sp` (as `attention.head_chunks.valid_head_chunks`): the
+    divisors of the key/value heads a rank receives, or of its query heads when it receives one."""
+    kv = kv_heads_per_rank(model, sp)
+    unit = kv if kv > 1 else model.heads // sp
+    return [c for c in range(1, unit + 1) if unit % c == 0]
+
+
+def head_chunk_kv(model: ModelShape, sp: int, chunks: int) -> int:
+    """Key/value heads one head chunk receives per rank: a slice of the rank's, or its one head every time."""
+    kv = kv_heads_per_rank(model, sp)
+    return kv // chunks if kv > 1 else 1
+
+
 def mlp_tiles(model: ModelShape, run: RunConfig, tokens: int) -> int:
     """MLP tiles per layer call: the given count, or ceil(tokens / max(hidden, 4096)) for True; 1 = untiled
     (the implementation then runs the MLP as is)."""
@@ -80,6 +94,11 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
     q_local = heads // sp
     qkv = a * T * d * (heads + 2 * sp * kv)  # q, k, v in the kernel's head-sharded layout
     out = a * T * heads * d
+    # Head chunks (`attention/head_chunks.py`, SP only): the attention saves its sequence-sharded q/k/v
+    # inputs and the output; every full-sequence tensor exists for one chunk at a time, in forward and in
+    # the backward's recompute, next to the q/k/v gradients the backward fills chunk by chunk.
+    chunks = run.ulysses_head_chunks if sp > 1 else 1
+    qkv_chunk = a * T * d * (heads // chunks + 2 * sp * head_chunk_kv(model, sp, chunks)) if chunks > 1 else qkv
 
     saved_attn = T * norm_bytes(h, a, liger)
     if model.qk_norm:
@@ -90,24 +109,33 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
     if run.attn == "eager":
         quadratic = run.micro_batch * q_local * eager_scores(seq, sp)  # score elements per layer on this rank
         # repeat_kv expands k and v to the local query heads; softmax output in fp32 (+ its cast).
-        saved_attn += a * T * heads * d * 3 + (qkv - a * T * heads * d if sp > 1 else 0)
-        saved_attn += quadratic * (4 + (a if a < 4 else 0))
+        kernel_saved = a * T * heads * d * 3 + (qkv - a * T * heads * d if sp > 1 else 0)
+        kernel_saved += quadratic * (4 + (a if a < 4 else 0))
         saved_attn += out  # o_proj input
         if sp == 1:
             shared = run.micro_batch * seq * seq * a  # transformers' additive [seq, seq] mask, one per forward
         # Gradient of the probabilities, of the softmax input (fp32) and, in bf16, of the cast between.
         attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv
     else:
-        saved_attn += qkv + 4 * T * heads  # q, k, v and the fp32 log-sum-exp
+        kernel_saved = qkv + 4 * T * heads  # q, k, v and the fp32 log-sum-exp
         # The kernel's output is o_proj's input without SP (flash and sdpa write [bs, sl, hc, hs]); with
         # SP the all-to-all back makes a second copy.
         copies = 1 if sp == 1 else 2
-        saved_attn += copies * out
+        kernel_saved += (copies - 1) * out
+        saved_attn += out
         attn_bwd = qkv  # dq, dk, dv
         if run.attn == "flash" and not on_cpu:
             attn_bwd += 4 * T * heads * d  # flash-attn 2's fp32 dq accumulator
             if kv < q_local:
                 attn_bwd += 2 * a * T * heads * d  # dk, dv expanded to every query head
+    if chunks > 1:
+        seq_qkv = a * T * d * (heads + 2 * model.kv_heads)  # the sequence-sharded inputs, saved
+        saved_attn += seq_qkv
+        # One chunk's recompute and its gradients (the kernel's terms scale with its heads; its q/k/v as
+        # `qkv_chunk`), next to the whole q/k/v gradient.
+        attn_bwd = seq_qkv + (kernel_saved - qkv + attn_bwd - qkv) / chunks + 2 * qkv_chunk
+    else:
+        saved_attn += kernel_saved
     tiles = mlp_tiles(model, run, T)
     mlp_saved_factor = 3 if liger else 4
     saved_mlp = T * norm_bytes(h, a, liger)
@@ -122,10 +150,10 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
     if model.experts:
         saved_mlp += 4 * T * model.experts  # router logits
     saved = saved_attn + saved_mlp
-    forward = max(mlp_fwd, qkv if run.checkpointing else 0.0)
+    forward = max(mlp_fwd, qkv_chunk if run.checkpointing or chunks > 1 else 0.0)
     # MLP backward runs with the whole layer saved; attention backward after the MLP's part is freed.
     backward = max(mlp_bwd, attn_bwd - saved_mlp, 0.0)
-    all_to_all = qkv if sp > 1 else 0.0
+    all_to_all = qkv_chunk if sp > 1 else 0.0
     return LayerBytes(saved, saved_mlp, forward, backward, all_to_all, shared)
 
 

@@ -1,0 +1,178 @@
+"""Memory of one Ulysses attention call with and without head chunks (`ulysses_head_chunks`), CPU, SP=2.
+
+    python -m benchmarks.head_chunks [--seq 8192] [--heads 16] [--kv-heads 8] [--head-dim 64] [--chunks 1,2,4]
+
+Each rank calls the attention `enable_sequence_parallel` installs (Ulysses, or `head_chunked_attention`) on
+sequence-sharded q/k/v of one model layer (sdpa, fp32, one document) and runs its backward. A dispatch mode
+counts the bytes of every tensor storage from its creation until autograd frees it, from the sequence-sharded
+q/k/v on (made just before the call and referenced by nothing but it, as RoPE's outputs in a model): the
+peak in forward, what stays alive after it (what autograd saves for backward, plus the output), and the
+peak in backward (the output's gradient, not counted, aside; the q/k/v gradients it returns included).
+Also printed: the bytes of one full-sequence q/k/v/o set a rank holds at a time (`heads / (sp * chunks)`
+heads), the buffers the chunks shrink. Results go to `benchmarks/results/<date>-head-chunks.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import weakref
+from pathlib import Path
+from typing import Any
+
+from benchmarks import _harness as H
+from benchmarks import _results as R
+
+TARGET = "benchmarks.head_chunks:measure"
+
+
+def live_bytes_mode():
+    """A `TorchDispatchMode` whose `live` / `peak` count the bytes of the storages created under it."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self._seen: dict[int, Any] = {}
+
+        def reset_peak(self) -> None:
+            self.peak = self.live
+
+        def _freed(self, key: int, nbytes: int) -> None:
+            self.live -= nbytes
+            self._seen.pop(key, None)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                    if key and key not in self._seen:  # new storage (views and in-place outputs are not)
+                        self._seen[key] = weakref.finalize(storage, self._freed, key, storage.nbytes())
+                        self.live += storage.nbytes()
+                        self.peak = max(self.peak, self.live)
+            return out
+
+    return LiveBytes()
+
+
+def measure(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim: int, chunks: int) -> dict:
+    """One attention forward + backward on this rank; the bytes the call creates (see the module docstring)."""
+    import torch
+    import transformers
+
+    import hf_longctx
+    from hf_longctx.attention.kernels import SequenceContext
+    from hf_longctx.attention.registry import CONTEXT_KWARG
+    from hf_longctx.attention.ulysses import head_layout
+
+    torch.set_num_threads(1)
+    groups = hf_longctx.SequenceParallelGroups.build(world)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=seq,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    handle = hf_longctx.enable_sequence_parallel(model, groups, ulysses_head_chunks=chunks)
+    attention = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[handle.key]
+    module = model.model.layers[0].self_attn
+    local = seq // world
+    gen = torch.Generator().manual_seed(rank)
+    shapes = [(1, n, local, head_dim) for n in (heads, kv_heads, kv_heads)]
+    leaves = [torch.randn(shape, generator=gen, requires_grad=True) for shape in shapes]
+    grad = torch.randn(1, local, heads, head_dim, generator=gen)
+    context = SequenceContext(torch.arange(seq).unsqueeze(0))
+    kwargs = {"dropout": 0.0, "scaling": head_dim**-0.5, CONTEXT_KWARG: context}
+    mode = live_bytes_mode()
+    with mode:
+        # What the model hands the attention (RoPE's outputs): referenced by nothing but the call.
+        q, k, v = (t * 1.0 for t in leaves)
+        inputs = sum(t.nbytes for t in (q, k, v))
+        out, _ = attention(module, q, k, v, None, **kwargs)
+        del q, k, v
+        forward_peak, retained = mode.peak, mode.live
+        mode.reset_peak()
+        out.backward(grad)
+        backward_peak = mode.peak
+    handle.remove()
+    layout = head_layout(heads, kv_heads, world)
+    element = 4  # fp32
+    # One chunk's q, k, v and output over the full sequence: the buffers head chunks shrink.
+    buffers = element * seq * head_dim * (2 * layout.q_local + 2 * layout.kv_local) // chunks
+    return {
+        "forward_peak": forward_peak,
+        "retained": retained,
+        "backward_peak": backward_peak,
+        "output": out.nbytes,
+        "input_grads": sum(t.grad.nbytes for t in leaves),
+        "full_sequence_qkvo": buffers,
+        "inputs": inputs,
+    }
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, Any]) -> str:
+    mib = lambda key: lambda r: R.fmt(r.get(key), ".1f", R.MiB)  # noqa: E731
+    base = rows[0]
+    ratio = lambda key: lambda r: R.fmt(H.ratio(r.get(key), base.get(key)), ".2f")  # noqa: E731
+    columns = [
+        ("chunks", lambda r: str(r["chunks"])),
+        ("full-seq q/k/v/o per chunk MiB", mib("full_sequence_qkvo")),
+        ("forward peak MiB", mib("forward_peak")),
+        ("x", ratio("forward_peak")),
+        ("kept for backward MiB", mib("retained")),
+        ("x", ratio("retained")),
+        ("backward peak MiB", mib("backward_peak")),
+        ("x", ratio("backward_peak")),
+    ]
+    lines = [
+        "# Head-chunked Ulysses: memory of one attention call (CPU, SP=2)",
+        "",
+        R.run_line(meta),
+        "",
+        f"One Llama attention call, {shape['heads']} query / {shape['kv_heads']} key-value heads of dim "
+        f"{shape['head_dim']}, {R.seq(shape['seq'])} tokens (one document) over 2 ranks, sdpa, fp32. Bytes of the "
+        "tensors the call creates (a dispatch mode counts each storage from its creation until autograd frees it): "
+        "the forward's peak, what stays alive for backward (saved tensors + the output), and the backward's peak "
+        f"(including the q/k/v gradients it returns, {R.fmt(base['input_grads'], '.1f', R.MiB)} MiB), counted "
+        f"from the sequence-sharded q/k/v on ({R.fmt(base['inputs'], '.1f', R.MiB)} MiB, made for the call and "
+        f"held by it alone); the output is {R.fmt(base['output'], '.1f', R.MiB)} MiB. Worst rank; x = ratio to "
+        "chunks = 1.",
+        "",
+        *R.table(columns, rows),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--chunks", default="1,2,4")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    shape = {"seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    session = H.Session("python -m benchmarks.head_chunks", argv, Path("/tmp/hf_longctx_head_chunks"))
+    rows = []
+    for chunks in (int(c) for c in args.chunks.split(",")):
+        record = session.run(
+            {**shape, "chunks": chunks}, f"chunks={chunks}", TARGET, 2, args.timeout,
+            env=H.MALLOC_ENV, init_backend="gloo", **shape, chunks=chunks,
+        )  # fmt: skip
+        if record["status"] == "ok":
+            ranks = record["result"]["ranks"]
+            rows.append({"chunks": chunks, **{key: max(r[key] for r in ranks) for key in ranks[0]}})
+    meta = session.finish(lambda r: f"chunks={r['spec']['chunks']}")
+    prefix = R.RESULTS / f"{datetime.date.today().isoformat()}-head-chunks"
+    R.write(prefix, {"meta": meta, "shape": shape, "rows": rows}, markdown(meta, rows, shape) if rows else "no runs\n")
+    return 0 if rows and not meta["failures"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
