@@ -81,6 +81,7 @@ def test_config_ring_options_are_validated():
         "ulysses_degree": 2,
         "ring_variant": "allgather",
         "ring_layout": "zigzag",
+        "ulysses_head_chunks": 1,
     }
     with pytest.raises(ValueError, match="ulysses_degree applies to sp_backend='hybrid' or 'auto'"):
         ParallelismConfig(sp_size=4, sp_backend="ring", ulysses_degree=2)
