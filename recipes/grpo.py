@@ -1,9 +1,11 @@
 """GRPO (TRL `GRPOTrainer`) with hf_longctx sequence parallelism on the offline tiny Llama.
 
     torchrun --nproc_per_node 2 recipes/grpo.py --config recipes/tiny_grpo_cpu.yaml
+    accelerate launch --num_processes 4 recipes/grpo.py --config recipes/qwen3_4b_grpo_sp4.yaml   # GPU template
 
-Prompts are short Shakespeare snippets; the toy reward counts the letter "e" in a completion. Generation
-runs on the plain model on every rank; the log-prob forward and the loss run sharded over `sp_size` ranks.
+Prompts are Shakespeare snippets (or a dataset's `prompt` column); the toy reward counts the letter "e" in a
+completion. Generation runs on the plain model on every rank; the log-prob forward and the loss run sharded over
+`sp_size` ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ class GRPORecipeArguments:
     tiny_layers: int = field(default=2, metadata={"help": "Layers of the default tiny Llama."})
     prompts: int = field(default=16, metadata={"help": "Number of prompts cut from the corpus."})
     prompt_chars: int = field(default=48, metadata={"help": "Characters per prompt."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Model to tune; unset = tiny Llama."})
+    model_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Load dtype of a pretrained model: float32 (fp32 master weights, bf16 autocast) or bfloat16."
+        },
+    )
+    dataset_name: str | None = field(default=None, metadata={"help": "HF dataset with a prompt column."})
 
 
 def count_e(completions: list[str], **kwargs: object) -> list[float]:
@@ -36,16 +46,24 @@ def main() -> None:
     if recipe.sp_size > 1:
         # Parsed without SP, so TRL's GRPOConfig check passed; `grpo_config` is the way to build one directly.
         args.parallelism_config = hf_longctx.ParallelismConfig(sp_size=recipe.sp_size)
-    text = next(iter(load_corpus().values()))
-    n = recipe.prompt_chars
-    prompts = [{"prompt": text[i * n : (i + 1) * n]} for i in range(recipe.prompts)]
-    tokenizer = gpt2_tokenizer()
+    if recipe.dataset_name is None:
+        text = next(iter(load_corpus().values()))
+        n = recipe.prompt_chars
+        prompts = datasets.Dataset.from_list([{"prompt": text[i * n : (i + 1) * n]} for i in range(recipe.prompts)])
+    else:
+        prompts = datasets.load_dataset(recipe.dataset_name, split="train")
+    if recipe.model_name_or_path is None:
+        tokenizer = gpt2_tokenizer()
+        model = tiny_llama(tokenizer, num_hidden_layers=recipe.tiny_layers)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if recipe.model_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"model_dtype must be float32 or bfloat16, got {recipe.model_dtype!r}.")
+        tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, dtype=recipe.model_dtype)
     trainer = GRPOTrainer(
-        model=tiny_llama(tokenizer, num_hidden_layers=recipe.tiny_layers),
-        reward_funcs=count_e,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(prompts),
-        processing_class=tokenizer,
+        model=model, reward_funcs=count_e, args=args, train_dataset=prompts, processing_class=tokenizer
     )
     state = sp_state(trainer)
     trainer.train()
