@@ -18,6 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+_GATED_DELTANET = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}  # fmt: skip
+_SMALL_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 32}  # fmt: skip
+
 BASE = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -58,36 +63,10 @@ EXTRA = {
     "gemma3_text": {"sliding_window": 16},
     "mistral": {"sliding_window": 16},
     "cohere2": {"sliding_window": 16},
-    # Gated DeltaNet (head-parallel) + gated attention + MoE: 2 key / 4 value heads split at SP=2
-    "qwen3_next": {
-        "layer_types": ["linear_attention", "full_attention"],
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-    },
-    "qwen3_5_text": {
-        "layer_types": ["linear_attention", "full_attention"],
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-    },
-    "qwen3_5_moe_text": {
-        "layer_types": ["linear_attention", "full_attention"],
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-    },
+    # Gated DeltaNet (head-parallel) + gated attention (+ MoE): 2 key / 4 value heads split at SP=2
+    "qwen3_next": {**_GATED_DELTANET, **_SMALL_MOE},
+    "qwen3_5_text": _GATED_DELTANET,
+    "qwen3_5_moe_text": {**_GATED_DELTANET, **_SMALL_MOE},
     # token mixers outside attention: these must be refused (INVALID)
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "minimax": {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2},
