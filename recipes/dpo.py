@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import datasets
+from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer, TrlParser
 
@@ -33,14 +34,7 @@ class DPORecipeArguments:
     dataset_name: str | None = field(
         default=None, metadata={"help": "HF dataset with prompt / chosen / rejected; unset = Shakespeare pairs."}
     )
-    model_dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "dtype the pretrained weights load in: float32 = mixed precision (fp32 master weights, "
-            "`bf16: true` autocasts the compute); bfloat16 = pure bf16 (AdamW updates below 2**-8 of a weight "
-            "round away; with LoRA only the frozen base is bf16)."
-        },
-    )
+    model_dtype: str = model_dtype_field()
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (0 = full fine-tuning with a reference copy)."})
     tiny_layers: int = field(default=2, metadata={"help": "Layers of the default tiny Llama."})
     pairs: int = field(default=16, metadata={"help": "Toy pairs cut from the corpus."})
@@ -78,9 +72,7 @@ def main() -> None:
         reference = tiny_llama(tokenizer, num_hidden_layers=recipe.tiny_layers) if recipe.lora_r == 0 else None
     else:
         tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
-        if recipe.model_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"model_dtype must be float32 or bfloat16, got {recipe.model_dtype!r}.")
-        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, dtype=recipe.model_dtype)
+        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, dtype=weights_dtype(recipe.model_dtype))
         reference = None  # TRL loads its own copy (full fine-tuning) or disables the adapter (LoRA)
     if recipe.dataset_name is None:
         train = shakespeare_pairs(recipe.pairs, recipe.prompt_chars, recipe.completion_chars)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import datasets
+from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
 from trl import GRPOConfig, GRPOTrainer, TrlParser
 
 import hf_longctx
@@ -27,12 +28,7 @@ class GRPORecipeArguments:
     prompts: int = field(default=16, metadata={"help": "Number of prompts cut from the corpus."})
     prompt_chars: int = field(default=48, metadata={"help": "Characters per prompt."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Model to tune; unset = tiny Llama."})
-    model_dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "Load dtype of a pretrained model: float32 (fp32 master weights, bf16 autocast) or bfloat16."
-        },
-    )
+    model_dtype: str = model_dtype_field()
     dataset_name: str | None = field(default=None, metadata={"help": "HF dataset with a prompt column."})
 
 
@@ -58,10 +54,8 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if recipe.model_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"model_dtype must be float32 or bfloat16, got {recipe.model_dtype!r}.")
         tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, dtype=recipe.model_dtype)
+        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, dtype=weights_dtype(recipe.model_dtype))
     trainer = GRPOTrainer(
         model=model, reward_funcs=count_e, args=args, train_dataset=prompts, processing_class=tokenizer
     )

@@ -11,12 +11,12 @@ last real token, on whichever rank holds it, with one small collective.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import datasets
 import torch
+from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
+from dpo import shakespeare_pairs  # the toy pairs of the DPO recipe
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 from trl import RewardConfig, RewardTrainer, TrlParser
 
@@ -24,21 +24,13 @@ import hf_longctx
 from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama_config
 from hf_longctx.integrations.trainer import sp_state
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dpo import shakespeare_pairs  # noqa: E402 - the recipes share their toy pairs
-
 
 @dataclass
 class RewardRecipeArguments:
     sp_size: int = field(default=1, metadata={"help": "Sequence-parallel degree (1 = no SP)."})
     sp_backend: str = field(default="ulysses", metadata={"help": "ulysses, ring, hybrid or auto."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Model to tune; unset = tiny Llama."})
-    model_dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "Load dtype of a pretrained model: float32 (fp32 master weights, bf16 autocast) or bfloat16."
-        },
-    )
+    model_dtype: str = model_dtype_field()
     dataset_name: str | None = field(
         default=None, metadata={"help": "HF dataset with chosen / rejected; unset = Shakespeare pairs."}
     )
@@ -58,11 +50,9 @@ def main() -> None:
         torch.manual_seed(0)
         model = LlamaForSequenceClassification(config)
     else:
-        if recipe.model_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"model_dtype must be float32 or bfloat16, got {recipe.model_dtype!r}.")
         tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
         model = AutoModelForSequenceClassification.from_pretrained(
-            recipe.model_name_or_path, num_labels=1, dtype=recipe.model_dtype
+            recipe.model_name_or_path, num_labels=1, dtype=weights_dtype(recipe.model_dtype)
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id

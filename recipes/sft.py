@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 
 import datasets
-import torch
 import transformers
+from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, TrlParser
 
@@ -37,14 +37,7 @@ class LongContextArguments:
     ring_layout: str = field(default="zigzag", metadata={"help": "ring/hybrid: zigzag or contiguous."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Model to fine-tune; unset = tiny Llama."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "The model's own attention kernel."})
-    model_dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "dtype the pretrained weights load in: float32 = mixed precision (fp32 master weights and "
-            "AdamW states, `bf16: true` autocasts the compute); bfloat16 = pure bf16, where AdamW updates "
-            "smaller than 2**-8 of a weight (most at lr 1e-5) round away."
-        },
-    )
+    model_dtype: str = model_dtype_field()
     tiny_layers: int = field(default=4, metadata={"help": "Layers of the default tiny Llama."})
     tiny_heads: int = field(default=8, metadata={"help": "Query heads of the tiny Llama (hidden = 16 x heads)."})
     tiny_kv_heads: int = field(default=4, metadata={"help": "Key/value heads of the tiny Llama."})
@@ -122,7 +115,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(
             lc.model_name_or_path,
             attn_implementation=lc.attn_implementation,
-            dtype=_weights_dtype(lc.model_dtype),
+            dtype=weights_dtype(lc.model_dtype),
         )
         train, evals = load_dataset(lc.dataset_name, split="train"), None
     trainer = SFTTrainer(
@@ -155,13 +148,6 @@ def main() -> None:
             os.path.join(args.output_dir, "loss_curves.png"),
         )
         print(f"loss curve vs {lc.compare_to}: max relative difference {worst:.2e} over {steps} steps (plot: {png})")
-
-
-def _weights_dtype(name: str) -> torch.dtype:
-    """The load dtype; explicit, because transformers 5 loads a checkpoint's own dtype (bf16) by default."""
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"model_dtype must be float32 or bfloat16, got {name!r}.")
-    return getattr(torch, name)
 
 
 def _ring_options(lc: LongContextArguments) -> dict:
