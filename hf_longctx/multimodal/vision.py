@@ -56,7 +56,6 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         return []
     groups, layout = handle.groups, handle.backend.layout
     rope_from_ids = any(hasattr(inner, name) for name in _ROPE_FROM_IDS)
-    full_len: list[int] = []
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         full = all_gather_sequence(x.contiguous(), groups.sp_group)
@@ -80,23 +79,22 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         for key in _FULL_ROW_KEYS:
             if isinstance(kwargs.get(key), torch.Tensor):
                 kwargs[key] = gather(kwargs[key])
-        full_len[:] = [kwargs["input_ids"].shape[1]]
         kwargs["position_ids"] = None if rope_from_ids else context.position_ids.to(kwargs["input_ids"].device)
         return args, kwargs
 
     def shard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
-        if not full_len:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None or handle.context is None or embeds.shape[1] != handle.context.position_ids.shape[1]:
             return args, kwargs  # the decoder called on its own (no image merge): already sharded
-        n = full_len.pop()
+        n = embeds.shape[1]
         index = layout_indices(layout, groups.sp_rank, groups.sp_world_size, n)
-        mask, embeds = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
-        if embeds is not None and isinstance(mask, torch.Tensor):  # one feature row per visual token of the row
+        mask, deepstack = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+        if deepstack is not None and isinstance(mask, torch.Tensor):  # one feature row per visual token of the row
             rows = _visual_rows(mask, index)
-            kwargs["deepstack_visual_embeds"] = [e.index_select(0, rows.to(e.device)) for e in embeds]
+            kwargs["deepstack_visual_embeds"] = [e.index_select(0, rows.to(e.device)) for e in deepstack]
         for key in ("attention_mask", "visual_pos_masks"):
             if isinstance(kwargs.get(key), torch.Tensor):
                 kwargs[key] = kwargs[key].index_select(1, index.to(kwargs[key].device))
-        embeds = kwargs["inputs_embeds"]
         kwargs["inputs_embeds"] = embeds.index_select(1, index.to(embeds.device))
         pos = kwargs.get("position_ids")
         if pos is None:  # the model found no image to place (mRoPE): the decoder would count from 0 per shard
