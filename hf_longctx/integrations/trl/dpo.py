@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hf_longctx.data.sharding import IGNORE_INDEX
+from hf_longctx.data.sharding import IGNORE_INDEX, make_shift_labels
 from hf_longctx.distributed.comm import all_reduce_sum, group_sum
 from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.state import SequenceParallelState
@@ -94,9 +94,8 @@ def _with_targets(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], 
             )
         ids, completion = batch["input_ids"], batch["completion_mask"]
         # Position t scores token t+1, on the full sequence: a shard's last position scores the next shard's first.
-        targets = torch.full_like(ids, IGNORE_INDEX)
-        targets[:, :-1] = ids[:, 1:].masked_fill(completion[:, 1:] == 0, IGNORE_INDEX)
-        batch[TARGETS_KEY] = targets
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # one pair side per row
+        batch[TARGETS_KEY] = make_shift_labels(ids.masked_fill(completion == 0, IGNORE_INDEX), positions)
         return batch
 
     return collate_with_targets
