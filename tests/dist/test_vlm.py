@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import hf_longctx
 from tests._dist import run_distributed
 from tests.dist import _vlm as V
+from tests.dist import _vlm_sft as S
 from tests.dist._parity import GRAD_RTOL, LOSS_RTOL, grad_errors, loss_error
 from tests.dist._trainer_utils import compare_logs
 
@@ -102,6 +103,21 @@ def test_vlm_trainer_steps_match(arch, tmp_path, record_property):
     every parameter's gradient (after DDP) in the first step."""
     ref = run_distributed(V.trainer_worker, 1, str(tmp_path / "ref"), arch, {}, timeout=300)[0]
     runs = run_distributed(V.trainer_worker, 2, str(tmp_path / "sp"), arch, {}, timeout=300)
+    worst = {}
+    for result in runs:
+        assert result["attn"].startswith("hf_longctx_"), result["attn"]
+        worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
+        worst["first_grads"] = _compare_grads(result["first_grads"], ref["first_grads"])
+    assert len(ref["logs"]) == 3 and set(worst) == {"loss", "grad_norm", "first_grads"}
+    record_property("max_rel_diff", worst)
+
+
+@pytest.mark.parametrize("arch", V.ARCHS)
+def test_vlm_sft_trainer_steps_match(arch, tmp_path, record_property):
+    """TRL's SFTTrainer on a vision dataset (PIL images through the model's processor and TRL's vision
+    collator): per-step loss and grad_norm at SP=2 equal one process's, and every first-step gradient."""
+    ref = run_distributed(S.sft_worker, 1, str(tmp_path / "ref"), arch, timeout=300)[0]
+    runs = run_distributed(S.sft_worker, 2, str(tmp_path / "sp"), arch, timeout=300)
     worst = {}
     for result in runs:
         assert result["attn"].startswith("hf_longctx_"), result["attn"]
