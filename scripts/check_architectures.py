@@ -71,12 +71,20 @@ EXTRA = {
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "minimax": {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2},
 }
+# vision-language models: the decoder config nested as text_config (the check shrinks the default vision tower);
+# their 3-D (mRoPE) positions are per row, so they are checked with one document per row
+_MROPE = {"mrope_section": [2, 3, 3]}
+VISION_LANGUAGE = {
+    "qwen2_vl": {"rope_scaling": {**_MROPE, "type": "mrope"}},
+    "qwen2_5_vl": {"rope_scaling": {**_MROPE, "type": "mrope"}},
+    "qwen3_vl": {"rope_scaling": {**_MROPE, "rope_type": "default", "mrope_interleaved": True}},
+}
 EAGER_ONLY = {"gemma2", "gpt_oss"}  # transformers offers no sdpa path for them
 DEFAULT_TYPES = (
     "llama llama4_text mistral ministral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi phi3 "
     "olmo olmo2 olmo3 olmoe cohere cohere2 granite granitemoe glm glm4 glm4_moe starcoder2 stablelm gpt_oss "
     "deepseek_v3 smollm3 ernie4_5 helium exaone4 seed_oss arcee apertus hunyuan_v1_dense hunyuan_v1_moe nemotron "
-    "jetmoe bitnet phimoe qwen3_next qwen3_5_text qwen3_5_moe_text "
+    "jetmoe bitnet phimoe qwen3_next qwen3_5_text qwen3_5_moe_text qwen2_vl qwen2_5_vl qwen3_vl "
     # expected refusals (token mixing outside attention that hf_longctx has no adapter for)
     "lfm2 minimax falcon_h1 granitemoehybrid bamba jamba recurrent_gemma"
 ).split()
@@ -85,7 +93,11 @@ DEFAULT_TYPES = (
 def write_config(model_type: str, folder: Path) -> None:
     from transformers import AutoConfig
 
-    AutoConfig.for_model(model_type, **{**BASE, **EXTRA.get(model_type, {})}).save_pretrained(folder)
+    if model_type in VISION_LANGUAGE:
+        config = AutoConfig.for_model(model_type, text_config={**BASE, **VISION_LANGUAGE[model_type]})
+    else:
+        config = AutoConfig.for_model(model_type, **{**BASE, **EXTRA.get(model_type, {})})
+    config.save_pretrained(folder)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             attn = "eager" if model_type in EAGER_ONLY else args.attn
             cmd = ["hf-longctx", "check", "--model", str(folder), "--sp", str(args.sp), "--attn", attn]
-            cmd += [] if args.no_packed else ["--packed"]
+            cmd += [] if args.no_packed or model_type in VISION_LANGUAGE else ["--packed"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
             verdict = {0: "PASS", 2: "INVALID"}.get(proc.returncode, "FAIL")

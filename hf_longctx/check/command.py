@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
+from hf_longctx.check import vlm
 from hf_longctx.check.args import add_arguments  # noqa: F401 (re-exported: `python -m hf_longctx.check`)
 from hf_longctx.check.model import (
     SEED,
     build_model,
+    check_batch,
     head_counts,
     load_config,
-    make_batch,
     reference_step,
     resolve_config_path,
     shrink_config,
@@ -83,6 +84,8 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         try:
             _validate(args)
             original = load_config(args.model)
+            if vlm.is_vision_language(original):
+                vlm.check_supported(original, args.seq_len, args.packed)
             heads, kv_heads = head_counts(original)
             # What the workers will run (auto resolved as on one host of sp ranks): raises for bad heads/options.
             backend = resolve_backend(
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
 
         text = model.config.get_text_config()
         label = type(model).__name__
-        batch = make_batch(text.vocab_size, args.seq_len, args.batch_size, args.packed, SEED)
+        batch = check_batch(model, args.seq_len, args.batch_size, args.packed, SEED)
         n_params = sum(p.numel() for p in model.parameters())
         out(f"hf-longctx check: {label} ({config.model_type}) from {resolve_config_path(args.model)}")
         out(

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from hf_longctx.check import vlm
+
 MAX_VOCAB = 512
 SEED = 0
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -147,6 +149,8 @@ def shrink_config(config: Any, *, layers: int, hidden: int, min_positions: int, 
         if random_in_training and isinstance(value, float) and value != 0.0:
             setattr(text, key, 0.0)
             notes.append(f"{key} {value} -> 0")
+    if vlm.is_vision_language(config):
+        notes += vlm.shrink_vision(config, layers)
     text.use_cache = False
     config.use_cache = False
     config._attn_implementation = attn
@@ -154,23 +158,26 @@ def shrink_config(config: Any, *, layers: int, hidden: int, min_positions: int, 
 
 
 def build_model(config_dir: str | Path, attn: str, seed: int) -> torch.nn.Module:
-    """The random-init float32 causal LM of `config_dir`, identical for equal seeds, in train mode.
+    """The random-init float32 model of `config_dir` (its causal-LM class, or its image-text-to-text class
+    for a vision-language config), identical for equal seeds, in train mode.
 
     Raises:
-        ValueError: transformers has no causal-LM class for this config.
+        ValueError: transformers has no such class for this config.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+    auto = AutoModelForImageTextToText if vlm.is_vision_language(config) else AutoModelForCausalLM
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        model = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
     except ValueError as exc:
         if "Unrecognized configuration class" not in str(exc):
             raise
         raise ValueError(
-            f"{type(config).__name__} (model_type {config.model_type!r}) has no causal-LM class in "
-            "transformers (AutoModelForCausalLM); hf-longctx check supports decoder-only causal LMs."
+            f"{type(config).__name__} (model_type {config.model_type!r}) has no {auto.__name__} class in "
+            "transformers; hf-longctx check supports decoder-only causal LMs and Qwen-VL-style "
+            "vision-language models."
         ) from None
     return model.float().train()
 
@@ -214,6 +221,13 @@ def make_batch(vocab_size: int, seq_len: int, batch_size: int, packed: bool, see
     return batch
 
 
+def check_batch(model: torch.nn.Module, seq_len: int, batch_size: int, packed: bool, seed: int) -> dict[str, Any]:
+    """The check's batch for `model`: image rows for a vision-language model, `make_batch` otherwise."""
+    if vlm.is_vision_language(model.config):
+        return vlm.make_batch(model, seq_len, batch_size, seed)
+    return make_batch(model.config.get_text_config().vocab_size, seq_len, batch_size, packed, seed)
+
+
 def step(model: torch.nn.Module, shard: dict[str, Any], groups: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward, SP loss and backward on one shard; returns the loss and this rank's gradients."""
     from hf_longctx.loss import sequence_parallel_loss
@@ -249,6 +263,13 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     from hf_longctx.loss import sequence_parallel_loss
 
     full = shard_batch_for_rank(batch, 0, 1)
+    if vlm.is_vision_language(model.config):
+        model.zero_grad(set_to_none=True)
+        loss = sequence_parallel_loss(
+            vlm.reference_logits(model, batch), full["shift_labels"], SequenceParallelGroups.single()
+        )
+        loss.backward()
+        return StepResult(loss.item(), take_grads(model), weights_sha256(model))
     ids, pos, shift_labels = full["input_ids"], full["position_ids"], full["shift_labels"]
     starts = document_starts(pos)
     if not bool((starts == starts[:1]).all()):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hf_longctx.check.model import build_model, make_batch, step, weights_sha256
+from hf_longctx.check.model import build_model, check_batch, step, weights_sha256
 
 _GRACE_S = 10.0
 _LOG_TAIL_LINES = 40
@@ -85,9 +85,7 @@ def worker_main(spec_path: str) -> None:
     try:
         groups = SequenceParallelGroups.build(dist.get_world_size())
         model = build_model(spec.config_dir, spec.attn, spec.seed)
-        batch = make_batch(
-            model.config.get_text_config().vocab_size, spec.seq_len, spec.batch_size, spec.packed, spec.seed
-        )
+        batch = check_batch(model, spec.seq_len, spec.batch_size, spec.packed, spec.seed)
         options = {"backend": spec.backend, "ulysses_degree": spec.ulysses_degree, "ring_variant": spec.ring_variant}
         with enable_sequence_parallel(model, groups, **options):
             shard = shard_batch(batch, groups)

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import transformers
 from transformers import LlamaConfig, Qwen3Config
 
 import hf_longctx.check
@@ -88,6 +89,31 @@ def test_qwen3_packed_eager_shrunk_sp2_passes(tmp_path, capsys):
     assert "hidden 128 -> 64 (head_dim 16)" in out
     assert "packed: 3 docs/row" in out
     assert out.strip().splitlines()[-1].startswith("PASS: SP=2 matches SP=1 for Qwen3ForCausalLM"), out
+
+
+def vlm_config(model_type: str):
+    """A tiny Qwen2.5-VL / Qwen3-VL config (the check shrinks the full-size vision tower it carries)."""
+    rope = {"mrope_section": [2, 3, 3]}
+    rope.update(
+        {"type": "mrope"} if model_type == "qwen2_5_vl" else {"rope_type": "default", "mrope_interleaved": True}
+    )
+    text = {**llama_config(num_hidden_layers=2).to_dict(), "rope_scaling": rope}
+    for key in ("model_type", "architectures", "transformers_version", "eos_token_id"):
+        text.pop(key, None)
+    return transformers.AutoConfig.for_model(model_type, text_config=text)
+
+
+@pytest.mark.parametrize(("model_type", "sp"), [("qwen2_5_vl", 2), ("qwen3_vl", 4)])
+def test_vision_language_passes(tmp_path, capsys, model_type, sp):
+    """Images straddling the shard boundaries, a row without images; the vision tower's gradients compared too."""
+    folder = write_config(tmp_path, vlm_config(model_type))
+    code, out = run_check(capsys, "--model", str(folder), "--sp", str(sp), "--batch-size", "2")
+    assert code == 0, out
+    assert "vision tower " in out and "image tokens -> ids 508..511" in out, out
+    assert out.strip().splitlines()[-1].startswith(f"PASS: SP={sp} matches SP=1 for "), out
+
+    code, out = run_check(capsys, "--model", str(folder), "--sp", "2", "--packed")
+    assert code == 2 and "Run the check without --packed" in out, out
 
 
 def test_heads_not_divisible_exits_2_without_launching(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,146 @@
+"""Vision-language configs in `hf-longctx check`: a small vision tower, image rows, the VLM reference.
+
+Supported: the Qwen-VL family's image layout (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, ...): a vision config with
+`patch_size`, `spatial_merge_size` and `temporal_patch_size`, images passed as flattened patches
+(`pixel_values`) with their grids (`image_grid_thw`), and each image written in the text as
+`<vision_start> <image> * (patches / merge^2) <vision_end>`. Other VLMs (LLaVA-style, one placeholder
+token expanded by the processor) are refused by name: the check does not build their batches.
+
+The vision tower of the test copy is shrunk to 2 blocks of width 32 (2 heads): it runs whole on every SP
+rank, so its width does not change what SP does; its patch, merge and temporal sizes are kept, since
+they set how images map to tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+_GRID_KEYS = ("patch_size", "spatial_merge_size", "temporal_patch_size")
+_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_SMALL_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+MIN_SEQ_LEN = 24  # room for two images of 4 tokens with their start/end markers, and text around them
+
+
+def is_vision_language(config: Any) -> bool:
+    """True for a config with a vision tower (a `vision_config`)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_supported(config: Any, seq_len: int, packed: bool) -> None:
+    """Refuse, naming why, a VLM config or batch the check cannot build.
+
+    Raises:
+        ValueError: not the Qwen-VL image layout, `--packed` (mRoPE positions are per row), or a row too
+            short for the test images.
+    """
+    vision = config.vision_config
+    missing = [key for key in (*_GRID_KEYS, "depth") if getattr(vision, key, None) is None]
+    missing += [key for key in _TOKEN_KEYS if getattr(config, key, None) is None]
+    if missing:
+        raise ValueError(
+            f"{type(config).__name__}: hf-longctx check builds image rows for the Qwen-VL image layout "
+            f"(patches + image_grid_thw); this config lacks {', '.join(missing)}. Check its decoder alone "
+            "(its text_config saved as a config.json) instead."
+        )
+    if packed:
+        raise ValueError(
+            f"{type(config).__name__} computes its 3-D (mRoPE) positions per row: packed rows are refused under "
+            "SP. Run the check without --packed."
+        )
+    if seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"--seq-len must be >= {MIN_SEQ_LEN} for a vision-language model, got {seq_len}.")
+
+
+def shrink_vision(config: Any, text_layers: int) -> list[str]:
+    """Shrink `config.vision_config` in place (see the module docstring) and put the image tokens at the
+    top of the (shrunk) vocabulary; returns notes on what changed."""
+    vision = config.vision_config
+    depth = min(int(vision.depth), 2)
+    width = getattr(vision, "embed_dim", None) or vision.hidden_size
+    notes = [f"vision tower {vision.depth} blocks x {width} -> {depth} x {_SMALL_VISION['hidden_size']}"]
+    vision.depth = depth
+    text = config.get_text_config()
+    if hasattr(vision, "embed_dim"):  # Qwen2-VL: embed_dim is the tower's width, hidden_size its output
+        vision.embed_dim, vision.num_heads, vision.hidden_size = 32, 2, text.hidden_size
+    else:
+        for key, value in _SMALL_VISION.items():
+            setattr(vision, key, value)
+        vision.out_hidden_size = text.hidden_size
+    if getattr(vision, "fullatt_block_indexes", None):
+        vision.fullatt_block_indexes = [depth - 1]
+    if getattr(vision, "deepstack_visual_indexes", None):
+        keep = min(len(vision.deepstack_visual_indexes), depth, text_layers)
+        vision.deepstack_visual_indexes = list(range(keep))
+        notes.append(f"DeepStack features from vision blocks {vision.deepstack_visual_indexes}")
+    notes += _fit_mrope(text)
+    vocab = int(text.vocab_size)
+    for offset, key in enumerate(_TOKEN_KEYS, start=1):
+        for holder in (config, text):
+            if getattr(holder, key, None) is not None:
+                setattr(holder, key, vocab - offset)
+    notes.append(f"image tokens -> ids {vocab - len(_TOKEN_KEYS)}..{vocab - 1}")
+    return notes
+
+
+def _fit_mrope(text: Any) -> list[str]:
+    """Rescale the 3-D rotary sections (temporal, height, width) to a shrunk head dimension: they must sum
+    to half of it."""
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = getattr(text, key, None)
+        sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if not sections or 2 * sum(sections) == head_dim:
+            continue
+        scaled = [max(1, round(s * head_dim / (2 * sum(sections)))) for s in sections]
+        scaled[-1] += head_dim // 2 - sum(scaled)
+        if min(scaled) < 1:
+            raise ValueError(
+                f"head_dim {head_dim} is too small for the 3-D rotary sections {sections}: use a larger --hidden."
+            )
+        rope["mrope_section"] = scaled
+        return [f"mrope_section {sections} -> {scaled}"]
+    return []
+
+
+def make_batch(model: torch.nn.Module, seq_len: int, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic image rows: row 0 holds two images, one straddling the middle of the row (the SP=2
+    shard boundary) and one across the first quarter (SP=4); odd rows hold no image, even rows one.
+
+    Labels mask the image tokens and row 0's first half (a shard with no label must still be exact);
+    `mm_token_type_ids` (image tokens = 1) is added where the model's forward takes it.
+    """
+    config = model.config
+    vision = config.vision_config
+    merge, patch, temporal = (
+        int(getattr(vision, key)) for key in ("spatial_merge_size", "patch_size", "temporal_patch_size")
+    )
+    vocab = int(config.get_text_config().vocab_size)
+    image, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab - len(_TOKEN_KEYS), (batch_size, seq_len), generator=gen)
+    grid = (1, 2 * merge, 2 * merge)  # 4 image tokens after the merge
+    n_tokens = 4
+    grids = []
+    for b in range(batch_size):
+        if b % 2:
+            continue
+        firsts = [seq_len // 2 - n_tokens // 2, max(2, seq_len // 4 - n_tokens // 2)] if b == 0 else [seq_len // 3]
+        for first in sorted(firsts):
+            ids[b, first - 1], ids[b, first : first + n_tokens], ids[b, first + n_tokens] = start, image, end
+            grids.append(grid)
+    labels = ids.masked_fill(ids == image, -100)
+    labels[0, : (seq_len + 1) // 2 + 1] = -100
+    rows_per_image = grid[0] * grid[1] * grid[2]
+    pixels = torch.randn(len(grids) * rows_per_image, 3 * temporal * patch * patch, generator=gen)
+    batch = {"input_ids": ids, "labels": labels, "pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+        batch["mm_token_type_ids"] = (ids == image).long()
+    return batch
+
+
+def reference_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The plain model on the unpadded rows: it places the images and computes its own mRoPE positions."""
+    return model(**{k: v for k, v in batch.items() if k != "labels"}).logits

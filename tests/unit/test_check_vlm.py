@@ -1,0 +1,67 @@
+"""`hf-longctx check` on vision-language configs: the shrunk vision tower, the image rows, the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hf_longctx.check import MAX_VOCAB, shrink_config
+from hf_longctx.check.model import build_model, check_batch
+from hf_longctx.check.vlm import check_supported
+
+_TEXT = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
+_ROPE = {
+    "qwen2_5_vl": {"rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+    "qwen3_vl": {"rope_scaling": {"rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True}},
+}
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def shrunk(request, tmp_path_factory):
+    """The architecture's default (full-size) vision tower over a small decoder, shrunk the way the check
+    does (hidden 128 -> 64, so the rotary sections must follow), and its model."""
+    original = transformers.AutoConfig.for_model(request.param, text_config={**_TEXT, **_ROPE[request.param]})
+    config, notes = shrink_config(original, layers=2, hidden=64, min_positions=128, attn="sdpa")
+    folder = tmp_path_factory.mktemp(request.param)
+    config.save_pretrained(folder)
+    return config, notes, build_model(folder, "sdpa", seed=0)
+
+
+def test_vision_tower_is_small_and_feeds_the_shrunk_decoder(shrunk):
+    config, notes, model = shrunk
+    vision, text = config.vision_config, config.get_text_config()
+    assert (vision.depth, vision.hidden_size, vision.num_heads) == (2, 32, 2)
+    assert vision.out_hidden_size == text.hidden_size == 64
+    assert any(n.startswith("vision tower ") for n in notes), notes
+    assert "mrope_section [4, 6, 6] -> [2, 3, 3]" in notes
+    ids = [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+    assert sorted(ids) == list(range(MAX_VOCAB - 4, MAX_VOCAB))
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+
+
+def test_image_rows_match_their_grids(shrunk):
+    config, _, model = shrunk
+    merge = config.vision_config.spatial_merge_size
+    batch = check_batch(model, seq_len=41, batch_size=3, packed=False, seed=0)
+    image = batch["input_ids"] == config.image_token_id
+    grids = batch["image_grid_thw"]
+    assert int(image.sum()) == int((grids.prod(-1) // merge**2).sum())
+    assert batch["pixel_values"].shape[0] == int(grids.prod(-1).sum())
+    assert image[1].sum() == 0 and image[0].sum() == 8 and image[2].sum() == 4  # two, none, one
+    assert image[0, 41 // 2 - 1] and image[0, 41 // 2]  # an image across the middle (the SP=2 boundary)
+    assert bool((batch["labels"][image] == -100).all())
+    if "mm_token_type_ids" in batch:
+        assert torch.equal(batch["mm_token_type_ids"], image.long())
+    assert torch.equal(batch["input_ids"], check_batch(model, 41, 3, False, 0)["input_ids"])  # deterministic
+
+
+def test_refusals_name_the_reason():
+    with pytest.raises(ValueError, match="lacks spatial_merge_size, temporal_patch_size"):
+        check_supported(transformers.AutoConfig.for_model("llava"), seq_len=67, packed=False)
+    qwen = transformers.AutoConfig.for_model("qwen2_5_vl")
+    with pytest.raises(ValueError, match="packed rows are refused under SP. Run the check without --packed"):
+        check_supported(qwen, seq_len=67, packed=True)
+    with pytest.raises(ValueError, match="--seq-len must be >= 24"):
+        check_supported(qwen, seq_len=16, packed=False)
