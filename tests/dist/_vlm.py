@@ -1,8 +1,10 @@
-"""Tiny Qwen2.5-VL / Qwen3-VL models and image rows for the VLM tests (random init, fp32, CPU).
+"""Tiny Qwen2.5-VL / Qwen3-VL / LLaVA models and image rows for the VLM tests (random init, fp32, CPU).
 
-A row is text with images: each image is `<vision_start> <image>*n <vision_end>` where n is its grid's
+A Qwen row is text with images: each image is `<vision_start> <image>*n <vision_end>` where n is its grid's
 patches / 4 (spatial merge 2 x 2). `pixel_values` holds one random patch vector per patch of every image,
-in row order (what the Qwen processors produce).
+in row order (what the Qwen processors produce). A LLaVA row holds `LLAVA_TOKENS` image tokens per image
+(what its processor expands the placeholder to: one per patch of the 8 x 8 image, the CLS feature dropped)
+and `pixel_values` is `[images, 3, 8, 8]`; positions are plain 1-D.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ _VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 
            "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 1, "in_channels": 3}  # fmt: skip
 _TOKENS = {"image_token_id": IMAGE, "video_token_id": VIDEO, "vision_start_token_id": START, "vision_end_token_id": END}
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
+LLAVA_TOKENS = 16  # (image 8 / patch 2) ** 2
+_CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "image_size": 8, "patch_size": 2, "projection_dim": 32}  # fmt: skip
 
 
 def build(arch: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
@@ -36,6 +41,12 @@ def build(arch: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
             text_config={**_TEXT, "rope_scaling": rope}, vision_config=vision, **_TOKENS
         )
         cls = transformers.Qwen3VLForConditionalGeneration
+    elif arch == "llava":
+        config = transformers.LlavaConfig(
+            text_config=transformers.LlamaConfig(**_TEXT), vision_config=transformers.CLIPVisionConfig(**_CLIP),
+            image_token_id=IMAGE, vision_feature_layer=-1, vision_feature_select_strategy="default",
+        )  # fmt: skip
+        cls = transformers.LlavaForConditionalGeneration
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
@@ -73,9 +84,37 @@ def batch(rows: list[tuple[list[int], list[tuple]]], pad_to: int, seed: int | li
     return out
 
 
-def cases() -> dict[str, dict[str, torch.Tensor]]:
-    """37-token rows: images straddling the SP=2 (19) and SP=4 (10, 20, 30) shard boundaries, two images in
+def llava_cases() -> dict[str, dict[str, torch.Tensor]]:
+    """53-token LLaVA rows: an image across the SP=2 (27) and SP=4 (28) boundaries, one across the SP=4
+    boundary at 14, a right-padded row without any image; and a batch with no image."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 140, (3, 53), generator=gen)
+    ids[0, 20 : 20 + LLAVA_TOKENS] = IMAGE
+    ids[1, 2 : 2 + LLAVA_TOKENS] = IMAGE
+    mask = torch.ones_like(ids)
+    mask[2, 40:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100).masked_fill(ids == IMAGE, -100)
+    pixels = torch.randn(2, 3, 8, 8, generator=gen)
+    no_image = torch.randint(3, 140, (1, 53), generator=gen)
+    return {
+        "straddle": {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels},
+        "no_image": {"input_ids": no_image, "labels": no_image.clone()},
+    }
+
+
+def vision_parameter(name: str) -> bool:
+    """A parameter of the vision tower (Qwen's `visual`, LLaVA's `vision_tower`)."""
+    return ".visual." in name or name.startswith("model.visual") or ".vision_tower." in name
+
+
+def cases(arch: str = "qwen2_5_vl") -> dict[str, dict[str, torch.Tensor]]:
+    """The rows of `arch`'s tests: `llava_cases()` for LLaVA, the Qwen rows below otherwise.
+
+    37-token rows: images straddling the SP=2 (19) and SP=4 (10, 20, 30) shard boundaries, two images in
     a row next to a row with none (padded), and a batch without any image."""
+    if arch == "llava":
+        return llava_cases()
     straddle = row(37, [(8, (4, 4)), (17, (4, 6))], seed=1)
     return {
         "straddle": batch([straddle], 37),
