@@ -72,19 +72,20 @@ EXTRA = {
     "minimax": {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2},
 }
 # vision-language models: the decoder config nested as text_config (the check shrinks the default vision tower);
-# their 3-D (mRoPE) positions are per row, so they are checked with one document per row
+# the check builds one document per row for them (mRoPE positions are per row)
 _MROPE = {"mrope_section": [2, 3, 3]}
 VISION_LANGUAGE = {
     "qwen2_vl": {"rope_scaling": {**_MROPE, "type": "mrope"}},
     "qwen2_5_vl": {"rope_scaling": {**_MROPE, "type": "mrope"}},
     "qwen3_vl": {"rope_scaling": {**_MROPE, "rope_type": "default", "mrope_interleaved": True}},
+    "llava": {},
 }
 EAGER_ONLY = {"gemma2", "gpt_oss"}  # transformers offers no sdpa path for them
 DEFAULT_TYPES = (
     "llama llama4_text mistral ministral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi phi3 "
     "olmo olmo2 olmo3 olmoe cohere cohere2 granite granitemoe glm glm4 glm4_moe starcoder2 stablelm gpt_oss "
     "deepseek_v3 smollm3 ernie4_5 helium exaone4 seed_oss arcee apertus hunyuan_v1_dense hunyuan_v1_moe nemotron "
-    "jetmoe bitnet phimoe qwen3_next qwen3_5_text qwen3_5_moe_text qwen2_vl qwen2_5_vl qwen3_vl "
+    "jetmoe bitnet phimoe qwen3_next qwen3_5_text qwen3_5_moe_text qwen2_vl qwen2_5_vl qwen3_vl llava "
     # expected refusals (token mixing outside attention that hf_longctx has no adapter for)
     "lfm2 minimax falcon_h1 granitemoehybrid bamba jamba recurrent_gemma"
 ).split()

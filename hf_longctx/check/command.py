@@ -30,7 +30,7 @@ from hf_longctx.check.model import (
     shrink_config,
     valid_labels_per_rank,
 )
-from hf_longctx.check.report import TOP_K, compare, verdict
+from hf_longctx.check.report import TOP_K, ZERO_GRAD_RTOL, compare, verdict
 from hf_longctx.check.worker import WorkerSpec, kill, launch, log_tail
 
 EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
@@ -191,6 +191,11 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         out(f"  grads  worst of {len(cmp.grad_errors)} parameters, max|g_sp - g_ref| / max|g_ref|:")
         for name, err in cmp.grad_errors[:TOP_K]:
             out(f"    {err:.2e}  {name}")
+        if cmp.zero_grads:
+            out(
+                f"  {len(cmp.zero_grads)} reference gradients are zero up to round-off (< {ZERO_GRAD_RTOL:.0e} of the "
+                f"largest), so measured against the largest: {', '.join(cmp.zero_grads[:TOP_K])}"
+            )
         passed, line = verdict(cmp, sp, args.tolerance_loss, args.tolerance_grad, label)
         out(line)
         return EXIT_PASS if passed else EXIT_FAIL

@@ -1,14 +1,18 @@
 """Vision-language configs in `hf-longctx check`: a small vision tower, image rows, the VLM reference.
 
-Supported: the Qwen-VL family's image layout (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, ...): a vision config with
-`patch_size`, `spatial_merge_size` and `temporal_patch_size`, images passed as flattened patches
-(`pixel_values`) with their grids (`image_grid_thw`), and each image written in the text as
-`<vision_start> <image> * (patches / merge^2) <vision_end>`. Other VLMs (LLaVA-style, one placeholder
-token expanded by the processor) are refused by name: the check does not build their batches.
+Two image layouts are supported:
 
-The vision tower of the test copy is shrunk to 2 blocks of width 32 (2 heads): it runs whole on every SP
-rank, so its width does not change what SP does; its patch, merge and temporal sizes are kept, since
-they set how images map to tokens.
+- "qwen" (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, ...): a vision config with `patch_size`, `spatial_merge_size` and
+  `temporal_patch_size`, images passed as flattened patches (`pixel_values`) with their grids
+  (`image_grid_thw`), each written in the text as `<vision_start> <image> * (patches / merge^2) <vision_end>`;
+  its patch, merge and temporal sizes are kept, since they set how images map to tokens;
+- "llava" (`model_type == "llava"`): a CLIP-style tower on square images, the placeholder expanded to one
+  token per patch (plus the CLS feature with `vision_feature_select_strategy="full"`); the test copy's
+  images are 4 x 4 pixels of 2 x 2 patches (4 tokens).
+
+Other VLMs are refused by name: the check does not build their batches. The vision tower of the test copy
+is shrunk to 2 blocks of width 32 (2 heads): it runs whole on every SP rank, so its width does not change
+what SP does.
 """
 
 from __future__ import annotations
@@ -29,27 +33,46 @@ def is_vision_language(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def check_supported(config: Any, seq_len: int, packed: bool) -> None:
-    """Refuse, naming why, a VLM config or batch the check cannot build.
+def image_layout(config: Any) -> str:
+    """ "llava" or "qwen" (module docstring).
 
     Raises:
-        ValueError: not the Qwen-VL image layout, `--packed` (mRoPE positions are per row), or a row too
-            short for the test images.
+        ValueError: neither, naming what the config lacks.
     """
+    if config.model_type == "llava":
+        return "llava"
     vision = config.vision_config
     missing = [key for key in (*_GRID_KEYS, "depth") if getattr(vision, key, None) is None]
     missing += [key for key in _TOKEN_KEYS if getattr(config, key, None) is None]
     if missing:
         raise ValueError(
-            f"{type(config).__name__}: hf-longctx check builds image rows for the Qwen-VL image layout "
-            f"(patches + image_grid_thw); this config lacks {', '.join(missing)}. Check its decoder alone "
+            f"{type(config).__name__}: hf-longctx check builds image rows for LLaVA and for the Qwen-VL image "
+            f"layout (patches + image_grid_thw); this config lacks {', '.join(missing)}. Check its decoder alone "
             "(its text_config saved as a config.json) instead."
         )
-    if packed:
+    return "qwen"
+
+
+def check_supported(config: Any, seq_len: int, packed: bool) -> None:
+    """Refuse, naming why, a VLM config or batch the check cannot build.
+
+    Raises:
+        ValueError: an unsupported image layout, `--packed` (mRoPE models refuse packed rows under SP; for
+            the others the check's reference has no per-document image split), or a row too short.
+    """
+    llava = image_layout(config) == "llava"
+    if llava and config.vision_feature_select_strategy not in ("default", "full"):
         raise ValueError(
-            f"{type(config).__name__} computes its 3-D (mRoPE) positions per row: packed rows are refused under "
-            "SP. Run the check without --packed."
+            f"vision_feature_select_strategy {config.vision_feature_select_strategy!r}: the check knows 'default' "
+            "and 'full'."
         )
+    if packed:
+        why = (
+            "the check builds one document per row for vision-language models"
+            if llava
+            else "it computes its 3-D (mRoPE) positions per row, so packed rows are refused under SP"
+        )
+        raise ValueError(f"{type(config).__name__}: {why}. Run the check without --packed.")
     if seq_len < MIN_SEQ_LEN:
         raise ValueError(f"--seq-len must be >= {MIN_SEQ_LEN} for a vision-language model, got {seq_len}.")
 
@@ -57,6 +80,8 @@ def check_supported(config: Any, seq_len: int, packed: bool) -> None:
 def shrink_vision(config: Any, text_layers: int) -> list[str]:
     """Shrink `config.vision_config` in place (see the module docstring) and put the image tokens at the
     top of the (shrunk) vocabulary; returns notes on what changed."""
+    if image_layout(config) == "llava":
+        return _shrink_llava(config)
     vision = config.vision_config
     depth = min(int(vision.depth), 2)
     width = getattr(vision, "embed_dim", None) or vision.hidden_size
@@ -83,6 +108,31 @@ def shrink_vision(config: Any, text_layers: int) -> list[str]:
                 setattr(holder, key, vocab - offset)
     notes.append(f"image tokens -> ids {vocab - len(_TOKEN_KEYS)}..{vocab - 1}")
     return notes
+
+
+def _shrink_llava(config: Any) -> list[str]:
+    vision = config.vision_config
+    depth = min(int(vision.num_hidden_layers), 2)
+    notes = [f"vision tower {vision.num_hidden_layers} layers x {vision.hidden_size} -> {depth} x 32, 4 x 4 images"]
+    vision.num_hidden_layers = depth
+    vision.hidden_size, vision.intermediate_size, vision.num_attention_heads = 32, 64, 2
+    vision.image_size, vision.patch_size = 4, 2
+    if hasattr(vision, "projection_dim"):
+        vision.projection_dim = 32
+    layers = config.vision_feature_layer  # an index into the tower's depth + 1 hidden states
+    fit = lambda i: i if -(depth + 1) <= i <= depth else -1  # noqa: E731
+    config.vision_feature_layer = [fit(i) for i in layers] if isinstance(layers, list) else fit(layers)
+    vocab = int(config.get_text_config().vocab_size)
+    config.image_token_id = vocab - 1
+    config.image_seq_length = _llava_tokens(config)
+    notes.append(f"image token -> id {vocab - 1}")
+    return notes
+
+
+def _llava_tokens(config: Any) -> int:
+    """Image tokens per image: one per patch, plus the CLS feature when the strategy keeps it."""
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 + (config.vision_feature_select_strategy == "full")
 
 
 def _fit_mrope(text: Any) -> list[str]:
@@ -113,32 +163,41 @@ def make_batch(model: torch.nn.Module, seq_len: int, batch_size: int, seed: int)
     `mm_token_type_ids` (image tokens = 1) is added where the model's forward takes it.
     """
     config = model.config
-    vision = config.vision_config
-    merge, patch, temporal = (
-        int(getattr(vision, key)) for key in ("spatial_merge_size", "patch_size", "temporal_patch_size")
-    )
+    llava = image_layout(config) == "llava"
     vocab = int(config.get_text_config().vocab_size)
-    image, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
+    image = config.image_token_id
+    n_tokens = _llava_tokens(config) if llava else 4
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab - len(_TOKEN_KEYS), (batch_size, seq_len), generator=gen)
-    grid = (1, 2 * merge, 2 * merge)  # 4 image tokens after the merge
-    n_tokens = 4
-    grids = []
+    images = 0
     for b in range(batch_size):
         if b % 2:
             continue
         firsts = [seq_len // 2 - n_tokens // 2, max(2, seq_len // 4 - n_tokens // 2)] if b == 0 else [seq_len // 3]
         for first in sorted(firsts):
-            ids[b, first - 1], ids[b, first : first + n_tokens], ids[b, first + n_tokens] = start, image, end
-            grids.append(grid)
+            ids[b, first : first + n_tokens] = image
+            if not llava:
+                ids[b, first - 1], ids[b, first + n_tokens] = config.vision_start_token_id, config.vision_end_token_id
+            images += 1
     labels = ids.masked_fill(ids == image, -100)
     labels[0, : (seq_len + 1) // 2 + 1] = -100
-    rows_per_image = grid[0] * grid[1] * grid[2]
-    pixels = torch.randn(len(grids) * rows_per_image, 3 * temporal * patch * patch, generator=gen)
-    batch = {"input_ids": ids, "labels": labels, "pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+    batch = {"input_ids": ids, "labels": labels, **_pixels(config.vision_config, llava, images, gen)}
     if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
         batch["mm_token_type_ids"] = (ids == image).long()
     return batch
+
+
+def _pixels(vision: Any, llava: bool, images: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random images: `[images, 3, size, size]` for LLaVA; for Qwen, flattened patches of 2 x 2 merge
+    units per image (4 tokens after the merge) with their grids."""
+    if llava:
+        return {"pixel_values": torch.randn(images, 3, vision.image_size, vision.image_size, generator=gen)}
+    merge, patch, temporal = (
+        int(getattr(vision, k)) for k in ("spatial_merge_size", "patch_size", "temporal_patch_size")
+    )
+    grid = (1, 2 * merge, 2 * merge)
+    pixels = torch.randn(images * grid[1] * grid[2], 3 * temporal * patch * patch, generator=gen)
+    return {"pixel_values": pixels, "image_grid_thw": torch.tensor([grid] * images)}
 
 
 def reference_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -59,9 +59,27 @@ def test_image_rows_match_their_grids(shrunk):
 
 def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match="lacks spatial_merge_size, temporal_patch_size"):
-        check_supported(transformers.AutoConfig.for_model("llava"), seq_len=67, packed=False)
+        check_supported(transformers.AutoConfig.for_model("llava_next"), seq_len=67, packed=False)
+    with pytest.raises(ValueError, match="one document per row for vision-language models"):
+        check_supported(transformers.AutoConfig.for_model("llava"), seq_len=67, packed=True)
     qwen = transformers.AutoConfig.for_model("qwen2_5_vl")
     with pytest.raises(ValueError, match="packed rows are refused under SP. Run the check without --packed"):
         check_supported(qwen, seq_len=67, packed=True)
     with pytest.raises(ValueError, match="--seq-len must be >= 24"):
         check_supported(qwen, seq_len=16, packed=False)
+
+
+def test_numerically_zero_gradients_are_measured_against_the_largest():
+    from hf_longctx.check.model import StepResult
+    from hf_longctx.check.report import compare
+
+    ref = {"w": torch.tensor([1.0, -0.5]), "k_bias": torch.tensor([1e-12]), "unused": torch.zeros(2),
+           "small": torch.tensor([1e-3]), "zero": torch.zeros(1)}  # fmt: skip
+    sp = {"w": torch.tensor([1.0, -0.5]), "k_bias": torch.tensor([3e-12]), "unused": torch.zeros(2),
+          "small": torch.tensor([2e-3]), "zero": torch.tensor([1e-3])}  # fmt: skip
+    cmp = compare(1.0, sp, StepResult(1.0, ref, ""))
+    errors = dict(cmp.grad_errors)
+    assert cmp.zero_grads == ["k_bias", "zero"]  # not "unused" (exactly zero on both sides)
+    assert errors["k_bias"] == pytest.approx(2e-12) and errors["unused"] == 0.0
+    assert errors["small"] == pytest.approx(1.0)  # small but not zero: its own scale
+    assert errors["zero"] == pytest.approx(1e-3)  # a real error where the reference has none still shows
