@@ -119,9 +119,9 @@ def _shrink_llava(config: Any) -> list[str]:
     vision.image_size, vision.patch_size = 4, 2
     if hasattr(vision, "projection_dim"):
         vision.projection_dim = 32
-    layers = config.vision_feature_layer  # an index into the tower's depth + 1 hidden states
-    fit = lambda i: i if -(depth + 1) <= i <= depth else -1  # noqa: E731
-    config.vision_feature_layer = [fit(i) for i in layers] if isinstance(layers, list) else fit(layers)
+    layers = config.vision_feature_layer  # indices into the tower's depth + 1 hidden states; the last if out of range
+    fitted = [i if -(depth + 1) <= i <= depth else -1 for i in (layers if isinstance(layers, list) else [layers])]
+    config.vision_feature_layer = fitted if isinstance(layers, list) else fitted[0]
     vocab = int(config.get_text_config().vocab_size)
     config.image_token_id = vocab - 1
     config.image_seq_length = _llava_tokens(config)
