@@ -52,6 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="MLP over sequence tiles (N tiles; default ceil(tokens / hidden))",
     )
+    parser.add_argument(
+        "--tiled-layer",
+        nargs="?",
+        const=True,
+        default=False,
+        type=int,
+        metavar="N",
+        help="every token-local part of each decoder layer over sequence tiles, attention per query tile "
+        "(N tiles; default ceil(tokens / max(hidden, 4096)); subsumes --tiled-mlp)",
+    )
     parser.add_argument("--offload-activations", action="store_true", help="checkpointed layer inputs on the host")
     parser.add_argument(
         "--ulysses-head-chunks",
@@ -64,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-memory",
         type=float,
         metavar="GIB",
-        help="host RAM per node for pinned offloaded activations; refused when they do not fit (default: unlimited)",
+        help="host RAM per node for offloaded activations and model states; refused when they do not fit "
+        "(default: unlimited)",
     )
     parser.add_argument(
         "--ranks-per-node", type=int, default=None, help="ranks sharing one node's host RAM (default: min(world, 8))"
@@ -102,6 +113,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         gradient_checkpointing=args.gradient_checkpointing,
         tiled_loss=args.tiled_loss,
         tiled_mlp=args.tiled_mlp,
+        tiled_layer=args.tiled_layer,
         offload_activations=args.offload_activations,
         offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params,
@@ -144,6 +156,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
             ("gradient checkpointing", run.gradient_checkpointing),
             ("tiled loss", run.tiled_loss),
             (f"tiled MLP ({'auto' if run.tiled_mlp is True else run.tiled_mlp} tiles)", run.tiled_mlp),
+            (f"tiled layer ({'auto' if run.tiled_layer is True else run.tiled_layer} tiles)", run.tiled_layer),
             ("offloaded activations", run.offload_activations),
             (f"{run.ulysses_head_chunks} Ulysses head chunks", run.ulysses_head_chunks > 1),
             ("offloaded optimizer", run.offload_optimizer),
@@ -158,8 +171,8 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
         f"  {run.engine}, {run.dtype}, {run.attn} attention" + (", " + ", ".join(flags) if flags else ""),
         f"  device {device.name}: {plan.capacity_gib:.2f} GiB; SP backend {run.sp_backend} (modelled: "
         f"{', '.join(SP_BACKENDS)}; not modelled: {', '.join(UNMODELLED_BACKENDS)})",
-        f"  host RAM per node (offloaded activations, {run.node_ranks} ranks): {plan.host_gib:.2f} GiB, limit "
-        + ("none (--host-memory)" if plan.host_capacity_gib is None else f"{plan.host_capacity_gib:g} GiB"),
+        f"  host RAM per node (offloaded activations and states, {run.node_ranks} ranks): {plan.host_gib:.2f} GiB, "
+        "limit " + ("none (--host-memory)" if plan.host_capacity_gib is None else f"{plan.host_capacity_gib:g} GiB"),
         "",
         f"  {'term (at the peak phase)':32s} {'GiB':>9s}",
     ]
