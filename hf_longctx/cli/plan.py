@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from hf_longctx.planner.advice import Advice, next_flag
 from hf_longctx.planner.devices import DEVICES, DeviceProfile
 from hf_longctx.planner.estimate import Plan, estimate, max_seq_len
 from hf_longctx.planner.model_shape import load_model_shape, shipped_model_names
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         device = device_profile(args)
         plan = estimate(model, config, device)
         longest = max_seq_len(model, config, device) if args.max_seq else None
+        advise = args.max_seq or not plan.fits
+        advice = next_flag(model, config, device, with_max_seq=args.max_seq) if advise else None
     except ValueError as exc:
         print(f"hf-longctx plan: error: {exc}", file=sys.stderr)
         return 2
@@ -142,9 +145,13 @@ def run(args: argparse.Namespace) -> int:
         plan = Plan(**{**plan.__dict__, "max_seq": longest})
     if args.json:
         out: dict[str, Any] = {"model": model.name, "device": device.name, "run": vars(config), **plan.as_dict()}
+        if advise:
+            out["next_flag"] = advice and vars(advice)
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, model.name, config, device))
+        if advise:
+            print(format_advice(advice))
     return 0 if plan.fits else 1
 
 
@@ -191,3 +198,14 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
         lines.append(f"  longest sequence that fits: {plan.max_seq:,} tokens")
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def format_advice(advice: Advice | None) -> str:
+    """One line: the flag to turn on next and what it gives, or that none not yet on lowers the peak."""
+    if advice is None:
+        return "  next flag: none (no flag not yet on lowers the peak within the host RAM)"
+    verdict = "fits" if advice.fits else "still does NOT fit"
+    line = f"  next flag: {advice.flag} -> peak {advice.peak_gib:.2f} GiB ({verdict}; host {advice.host_gib:.2f} GiB)"
+    if advice.max_seq is not None:
+        line += f", longest sequence {advice.max_seq:,} tokens"
+    return line
