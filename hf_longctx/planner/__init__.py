@@ -1,8 +1,9 @@
 """`hf-longctx plan`'s model: per-rank peak memory of one training step and the longest sequence that fits.
 
-`estimate.py` is the main entry (`estimate`, `max_seq_len`), `run.py` the run's settings, `terms.py`
-the per-layer and loss activation terms (`tiled.py` for `tiled_layer`), `advice.py` the next flag to turn on, `devices.py` the device profiles, `model_shape.py` the shape
-numbers read from a model config. The planner imports no torch, so `hf-longctx plan` answers in well under a second.
+`estimate.py` is the main entry (`estimate`, `max_seq_len`), `run.py` the run's settings, `terms.py` the
+per-layer and loss activation terms (`tiled.py` for `tiled_layer`), `advice.py` the next flag to turn on,
+`devices.py` the device profiles, `model_shape.py` the shape numbers read from a model config. The planner
+imports no torch, so `hf-longctx plan` answers in well under a second.
 """
 
 from hf_longctx.planner.advice import Advice, next_flag
