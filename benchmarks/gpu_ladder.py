@@ -152,7 +152,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU (the flow, not the numbers)")
     parser.add_argument("--rungs", help="comma-separated ladder lengths (default 1.2M,1.6M,2M)")
     parser.add_argument("--throughput-lengths", help="comma-separated lengths for tokens/s (default 64K,256K)")
-    parser.add_argument("--throughput-steps", type=int, default=2, help="measured steps after one warm-up")
+    parser.add_argument("--throughput-steps", type=int, default=1, help="measured steps after one warm-up")
     parser.add_argument("--layers", type=int, help="model depth to run (default: the most the host RAM holds)")
     parser.add_argument("--full-layers", type=int, help="depth the peak is scaled to (default 32)")
     parser.add_argument("--doc-len", type=int, help="packed document length of the ladder rungs (0: one document)")
