@@ -203,7 +203,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
 def format_advice(advice: Advice | None) -> str:
     """One line: the flag to turn on next and what it gives, or that none not yet on lowers the peak."""
     if advice is None:
-        return "  next flag: none (no flag not yet on lowers the peak within the host RAM)"
+        return "  next flag: none (no flag not yet on lowers the peak, or lengthens --max-seq, within the host RAM)"
     verdict = "fits" if advice.fits else "still does NOT fit"
     line = f"  next flag: {advice.flag} -> peak {advice.peak_gib:.2f} GiB ({verdict}; host {advice.host_gib:.2f} GiB)"
     if advice.max_seq is not None:

@@ -64,20 +64,21 @@ def next_flag(model: ModelShape, run: RunConfig, device: DeviceProfile, with_max
 
     Args:
         model, run, device: as for `estimate`.
-        with_max_seq: also bisect the longest sequence with that flag on (`max_seq_len`).
+        with_max_seq: also bisect the longest sequence with each candidate on (`max_seq_len`) and keep only
+            those that lengthen it (under `--host-memory` a host-hungry flag can shorten it).
 
     Returns:
         An `Advice`, or None when no flag not yet on lowers the peak within the host RAM.
     """
     current = estimate(model, run, device).peak_gib
-    best: tuple[float, str, RunConfig, Any] | None = None
+    longest_now = max_seq_len(model, run, device) if with_max_seq else 0
+    best: Advice | None = None
     for flag, config in candidates(model, run):
         plan = estimate(model, config, device)
         host_fits = plan.host_capacity_gib is None or plan.host_gib <= plan.host_capacity_gib
-        if host_fits and plan.peak_gib < current and (best is None or plan.peak_gib < best[0]):
-            best = (plan.peak_gib, flag, config, plan)
-    if best is None:
-        return None
-    peak, flag, config, plan = best
-    longest = max_seq_len(model, config, device) if with_max_seq else None
-    return Advice(flag=flag, peak_gib=peak, fits=plan.fits, host_gib=plan.host_gib, max_seq=longest)
+        if not host_fits or plan.peak_gib >= current or (best is not None and plan.peak_gib >= best.peak_gib):
+            continue
+        longest = max_seq_len(model, config, device) if with_max_seq else None
+        if longest is None or longest > longest_now:
+            best = Advice(flag=flag, peak_gib=plan.peak_gib, fits=plan.fits, host_gib=plan.host_gib, max_seq=longest)
+    return best

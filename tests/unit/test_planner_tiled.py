@@ -94,6 +94,17 @@ def test_advice_picks_the_flag_that_lowers_the_peak_most_and_respects_host_ram()
     assert next_flag(LLAMA, _with(ONE_H200, tiled_layer=True, seq_len=8192), H200) is None
 
 
+def test_advice_with_max_seq_drops_flags_that_shorten_it():
+    # 8 x H100 with 2 TiB of host RAM per node: offloading parameters lowers the peak but its host RAM shortens
+    # the longest sequence the host allows, so --max-seq advises nothing.
+    run = RunConfig(seq_len=6_000_000, world=8, sp=8, tiled_layer=True, ulysses_head_chunks=4, host_memory_gib=2048,
+                    **ALL)  # fmt: skip
+    assert next_flag(LLAMA, run, H100).flag == "--offload-params"
+    assert next_flag(LLAMA, run, H100, with_max_seq=True) is None
+    free = next_flag(LLAMA, _with(run, host_memory_gib=None), H100, with_max_seq=True)
+    assert free.flag == "--offload-params" and free.max_seq > max_seq_len(LLAMA, _with(run, host_memory_gib=None), H100)
+
+
 def test_cli_tiled_layer_and_next_flag(capsys):
     assert main([*ALL_FLAGS_ARGV, "--max-seq"]) == 0
     text = capsys.readouterr().out
