@@ -4,7 +4,10 @@ and the whole flow as a CPU dry run (tiny model, two real Trainer jobs)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from benchmarks import _harness, gpu_ladder
 from hf_longctx.planner import DEVICES
 
 H200 = DEVICES["h200"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_depth_fits_128_gib_of_host_ram_and_grows_with_it():
@@ -46,15 +50,17 @@ def test_on_a_gpu_without_tiled_layer_every_rung_fails_unrun(monkeypatch, tmp_pa
     assert "SKIP" not in capsys.readouterr().out
 
 
-def test_cpu_dry_run_runs_the_whole_flow(tmp_path, capsys):
+def test_cpu_dry_run_runs_the_whole_flow(tmp_path):
+    """As a command (a whole benchmark: two real Trainer jobs of the tiny model under ZeRO-3 offload on CPU)."""
     argv = ["--cpu-dry-run", "--rungs", "2048", "--throughput-lengths", "1024", "--out-prefix", str(tmp_path / "dry")]
-    assert gpu_ladder.main(argv) == 0
-    out = capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_ladder", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "dry.json").read_text())
     assert report["passed"] and [r["kind"] for r in report["records"]] == ["ladder", "throughput"]
     ladder, throughput = report["records"]
     assert ladder["verdict"] == "PASS" and ladder["layers"] == 2 and ladder["measured_gib"] > 0
     assert ladder["scaled_gib"] == pytest.approx(ladder["measured_gib"] + ladder["depth_terms_gib"], abs=2e-3)
     assert throughput["tokens_per_s"] > 0 and len(throughput["step_s"]) == 2
-    assert ("tiled_layer" in report["flags"]) != ("dry run runs without it" in out)
-    assert "PASS ladder S=2,048" in out and (tmp_path / "dry.md").exists()
+    assert ("tiled_layer" in report["flags"]) != ("dry run runs without it" in proc.stdout)
+    assert "PASS ladder S=2,048" in proc.stdout and (tmp_path / "dry.md").exists()
