@@ -5,8 +5,9 @@
     python -m benchmarks.gpu_ladder --cpu-dry-run    # the same flow at tiny sizes on CPU (tested)
 
 Each run is one `benchmarks.worker` job (`benchmarks._harness.job`, as `benchmarks/gpu_memory.py` runs them): the
-stock Trainer, ZeRO-3 with parameters and optimizer offloaded, gradient checkpointing, tiled loss, tiled MLP,
-offloaded activations and tiled_layer, SGD (no optimizer state on the host, as gpu_memory.py), bf16, flash-attn 2.
+stock Trainer, ZeRO-3 with parameters and optimizer offloaded, gradient checkpointing, tiled loss, offloaded
+activations and tiled_layer (which subsumes the tiled MLP), SGD (no optimizer state on the host, as
+gpu_memory.py), bf16, flash-attn 2.
 
 Depth: the offloaded layer inputs take `layers x S x hidden x 2` bytes of pinned host RAM (16 GiB per layer at 2M,
 and torch's pinned allocator rounds each one up to a power of two), next to the offloaded model states. A test box
@@ -42,7 +43,8 @@ RUNGS = (1_200_000, 1_600_000, 2_000_000)
 THROUGHPUT = (64 * K, 256 * K)
 FULL_LAYERS = 32
 HOST_RESERVE_GIB = 24.0  # the processes themselves: torch, CUDA, DeepSpeed's buffers, the dataset rows
-FLAGS = {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True, "tiled_layer": True}
+# Every memory flag; tiled_layer subsumes tiled_mlp (the planner models it so), so the MLP flag is not set twice.
+FLAGS = {"tiled_loss": True, "offload_activations": True, "tiled_layer": True}
 # --cpu-dry-run: the flow at tiny sizes; the tiny model runs at 2 layers and is scaled to 4.
 DRY = {"rungs": (2048, 3072, 4096), "throughput": (512, 1024), "layers": 2, "full_layers": 4, "doc_len": 1024}
 
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if not tiled_layer_available():
         if args.cpu_dry_run:
             flags.pop("tiled_layer")
-            print("gpu_ladder: tiled_layer is not in ParallelismConfig: the dry run runs without it")
+            flags["tiled_mlp"] = True
+            print("gpu_ladder: tiled_layer is not in ParallelismConfig: the dry run runs without it (tiled_mlp)")
         else:
             stop = "tiled_layer is not in ParallelismConfig (hf_longctx/config.py)"
     if args.cpu_dry_run:
