@@ -116,3 +116,21 @@ def test_cli_tiled_layer_and_next_flag(capsys):
     assert main([*ALL_FLAGS_ARGV[:-1], "3000000", "--tiled-layer", "64", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["run"]["tiled_layer"] == 64 and not out["fits"] and "next_flag" in out
+
+
+@pytest.mark.parametrize("tiles", [True, 64])
+@pytest.mark.parametrize("sp", [1, 8])
+def test_tiled_peak_grows_with_the_sequence(tiles, sp):
+    """`max_seq_len` bisects: the peak must not fall as S grows (auto tiles stay within 2048-4096 tokens)."""
+    run = RunConfig(seq_len=65536, world=sp, sp=sp, tiled_layer=tiles, **ALL)
+    peaks = [estimate(LLAMA, run.with_seq_len(s * sp), H100).peak_gib for s in range(65536, 1 << 20, 65536 + 8)]
+    assert peaks == sorted(peaks)
+
+
+def test_kv_heads_replicated_under_ulysses_are_kept_per_rank():
+    # 8 key-value heads: SP=8 gives each rank one; SP=16 replicates one to each rank, so the whole-sequence K/V
+    # a rank keeps stops shrinking at SP=8.
+    eight, sixteen = (RunConfig(seq_len=1 << 20, world=sp, sp=sp, tiled_layer=True, **ALL) for sp in (8, 16))
+    kv8 = tiled_terms(LLAMA, eight, (1 << 20) // 8, on_cpu=False).kv
+    kv16 = tiled_terms(LLAMA, sixteen, (1 << 20) // 16, on_cpu=False).kv
+    assert kv8 == 2 * 2 * (1 << 20) * LLAMA.head_dim and kv16 == kv8
