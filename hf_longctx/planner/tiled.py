@@ -2,10 +2,11 @@
 
 `tiled_layer_bytes` is the main function. The layer runs its token-local parts (norms, projections, rotary,
 o_proj, residual adds, MLP) one sequence tile at a time and attention per query tile against the K/V of the
-whole sequence, recomputing each tile in backward. The terms follow the implementation as first written on
-the `tiled` branch (commit ebcd39c: `memory/tiled_layer.py`, `memory/tile_attention.py` and the ring's LSE
-kernels it calls), read, not measured yet: every term is one field of `TiledTerms`, so `plan_validate --tiled`
-can re-pin them one by one.
+whole sequence, recomputing each tile in backward (and K/V once). The terms follow the implementation as
+first written on the `tiled` branch (commits ebcd39c, a2c42cc: `memory/tiled_layer.py`,
+`memory/tile_attention.py` and the ring's LSE kernels it calls), read, not measured yet: every term is one
+field of `TiledTerms`, so `plan_validate --tiled` can re-pin them one by one. With `offload_activations` the
+plan is the design's (each layer's input on the host), which that implementation does not run yet.
 """
 
 from __future__ import annotations
