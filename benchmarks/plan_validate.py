@@ -91,6 +91,9 @@ FLAG_POINTS = [
 # it) and the first implementation refuses it next to tiled_layer.
 _TL = {"tiled_loss": True, "tiled_mlp": True, "tiled_layer": True}
 TILED_POINTS = [
+    # The two 8K points are the ones a loaded 2-core machine finishes (2026-12-03-plan-cpu-tiled).
+    {"name": "sp1-s8192-tiled-layer", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": True}},
+    {"name": "sp1-s8192-tiled-layer8", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": 8}},
     {"name": "sp1-s32768-all-flags", "seq_len": 32768, "sp": 1, "flags": ALL_FLAGS},
     {"name": "sp2-s32768-all-flags", "seq_len": 32768, "sp": 2, "flags": ALL_FLAGS},
     {"name": "sp1-s16384-all-flags-tiled-layer", "seq_len": 16384, "sp": 1, "flags": _TL},
@@ -209,17 +212,20 @@ def calibrate(measured_gib: float, point: dict[str, Any]) -> float:
 
 
 def validate(
-    points: list[dict[str, Any]], log=print, measured: dict[str, dict[str, Any]] | None = None
+    points: list[dict[str, Any]],
+    log=print,
+    measured: dict[str, dict[str, Any]] | None = None,
+    timeout: float = 600.0,
 ) -> dict[str, Any]:
     """Measure every point, calibrate on the first, predict the rest; rows with relative errors.
 
     `measured` (name -> `measure` result) replaces the runs for the points it names: re-predicting
-    stored measurements after a planner change, without training again.
+    stored measurements after a planner change, without training again. `timeout`: seconds per point.
     """
     rows: list[dict[str, Any]] = []
     runtime, calibrated_on = None, None
     for point in points:
-        result = (measured or {}).get(point["name"]) or measure(point)
+        result = (measured or {}).get(point["name"]) or measure(point, timeout)
         if runtime is None:
             runtime, calibrated_on = calibrate(result["measured_gib"], point), point["name"]
             log(f"calibrated the CPU runtime term on {point['name']}: {runtime:.3f} GiB")
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated point names (the calibration point always runs first)")
     parser.add_argument("--points", metavar="JSON", help="a JSON list of points to run instead (first = calibration)")
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write the report to this file")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per point (default 600)")
     parser.add_argument(
         "--repredict", metavar="JSON", help="predict again from a results file's measurements (no training)"
     )
@@ -297,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan_validate: error: {NO_TILED_LAYER}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    report = validate(points, measured=measured)
+    report = validate(points, measured=measured, timeout=args.timeout)
     for line in tiled_ratios(report["rows"], points):
         print(line)
     measured = [r for r in report["rows"] if r.get("status") == "predicted"]

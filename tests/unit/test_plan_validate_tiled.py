@@ -25,7 +25,7 @@ def test_the_tiled_grid_has_six_points_the_planner_models():
 
 def test_tiled_refuses_without_the_flag_and_measures_nothing(monkeypatch, capsys):
     monkeypatch.setattr(plan_validate, "tiled_layer_available", lambda: False)
-    monkeypatch.setattr(plan_validate, "measure", lambda point: pytest.fail(f"measured {point['name']}"))
+    monkeypatch.setattr(plan_validate, "measure", lambda point, timeout: pytest.fail(f"measured {point['name']}"))
     assert plan_validate.main(["--tiled", "--no-write"]) == 2
     assert "tiled_layer is not in ParallelismConfig" in capsys.readouterr().err
 
@@ -33,7 +33,7 @@ def test_tiled_refuses_without_the_flag_and_measures_nothing(monkeypatch, capsys
 def test_tiled_measures_every_point_once_the_flag_exists(monkeypatch, capsys):
     seen = []
 
-    def fake(point):
+    def fake(point, timeout):
         seen.append(point)
         peak = plan_validate.predict(point, 0.05).peak_gib
         return {"measured_gib": peak, "per_rank_gib": [peak]}
