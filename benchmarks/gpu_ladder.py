@@ -20,8 +20,8 @@ offloaded activations only two layer inputs stay on the GPU and ZeRO-3 gathers a
 Rungs pack documents of `--doc-len` tokens (default 64K) into the row: attention then costs O(S x doc) instead of
 O(S^2) (a 2M-token causal step is ~6 minutes of attention per layer), while its memory, flash's O(S), is the same.
 PASS: the step ran with every flag on and the scaled peak (`max_memory_allocated`) fits the device less the
-profile's runtime term; FAIL otherwise, including a rung not run (no tiled_layer, an earlier rung failed, the
-budget spent). There is no SKIP. Results: benchmarks/results/.
+profile's runtime term; FAIL otherwise, including a rung not run (no tiled_layer, flags `ParallelismConfig`
+refuses together, an earlier rung failed, the budget spent). There is no SKIP. Results: benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -152,6 +152,18 @@ COLUMNS: list[_results.Column] = [
 ]  # fmt: skip
 
 
+def config_refusal(flags: dict[str, Any]) -> str | None:
+    """`ParallelismConfig`'s refusal of the flags (a pair the implementation does not combine yet), or None:
+    refused, every rung fails unrun with its message rather than as a crashed job."""
+    import hf_longctx
+
+    try:
+        hf_longctx.ParallelismConfig(sp_size=1, **flags)
+    except ValueError as exc:
+        return f"ParallelismConfig refuses {sorted(flags)}: {exc}"
+    return None
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU (the flow, not the numbers)")
@@ -195,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_ladder: tiled_layer is not in ParallelismConfig: the dry run runs without it (tiled_mlp)")
         else:
             stop = "tiled_layer is not in ParallelismConfig (hf_longctx/config.py)"
+    stop = stop or config_refusal(flags)
     if args.cpu_dry_run:
         device = dataclasses.replace(DEVICES["cpu"], capacity_gib=1e9)
     else:

@@ -50,6 +50,16 @@ def test_on_a_gpu_without_tiled_layer_every_rung_fails_unrun(monkeypatch, tmp_pa
     assert "SKIP" not in capsys.readouterr().out
 
 
+def test_flags_the_config_refuses_fail_every_rung_unrun(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_ladder, "tiled_layer_available", lambda: True)
+    monkeypatch.setattr(gpu_ladder, "config_refusal", lambda flags: "ParallelismConfig refuses them: no pair")
+    monkeypatch.setattr(_harness, "job", lambda *a, **k: pytest.fail("a rung ran with refused flags"))
+    argv = ["--cpu-dry-run", "--rungs", "2048", "--throughput-lengths", "1024", "--out-prefix", str(tmp_path / "x")]
+    assert gpu_ladder.main(argv) == 1
+    records = json.loads((tmp_path / "x.json").read_text())["records"]
+    assert [r["verdict"] for r in records] == ["FAIL", "FAIL"] and all("no pair" in r["why"] for r in records)
+
+
 def test_cpu_dry_run_runs_the_whole_flow(tmp_path):
     """As a command (a whole benchmark: two real Trainer jobs of the tiny model under ZeRO-3 offload on CPU)."""
     argv = ["--cpu-dry-run", "--rungs", "2048", "--throughput-lengths", "1024", "--out-prefix", str(tmp_path / "dry")]
