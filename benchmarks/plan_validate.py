@@ -3,6 +3,7 @@
     python -m benchmarks.plan_validate                 # the grid below, ~5 min on 2 cores
     python -m benchmarks.plan_validate --quick         # the calibration point and three others
     python -m benchmarks.plan_validate --flags         # also the memory-flag points (where the fields exist)
+    python -m benchmarks.plan_validate --tiled         # the tiled_layer grid (+ calibration); needs the flag
     python -m benchmarks.plan_validate --flags --only sp2-s8192-tiled-loss      # some points (+ calibration)
     python -m benchmarks.plan_validate --points '[{"name": "a", "seq_len": 2048, "sp": 1}, ...]' --json r.json
     python -m benchmarks.plan_validate --flags --repredict results/X-plan-cpu.json --no-write   # no training
@@ -83,6 +84,56 @@ FLAG_POINTS = [
      "flags": {**ALL_FLAGS, "ulysses_head_chunks": 4}},
     {"name": "sp1-s8192-all-flags", "seq_len": 8192, "sp": 1, "flags": ALL_FLAGS},
 ]  # fmt: skip
+# tiled_layer (issue 19): every point is all-flags or gradient checkpointing plus `tiled_layer`, at lengths where
+# one layer's [T, h] tensors dominate the untiled all-flags peak; "vs" names that untiled point (same length
+# and SP), whose peak the tiled one should halve. Until ParallelismConfig has the field, `--tiled` refuses.
+# offload_activations is left out of the tiled points: on CPU it moves nothing (the plan is the same without
+# it) and the first implementation refuses it next to tiled_layer.
+_TL = {"tiled_loss": True, "tiled_mlp": True, "tiled_layer": True}
+TILED_POINTS = [
+    # The two 8K points are the ones a loaded 2-core machine finishes (2026-12-03-plan-cpu-tiled).
+    {"name": "sp1-s8192-tiled-layer", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": True}},
+    {"name": "sp1-s8192-tiled-layer8", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": 8}},
+    {"name": "sp1-s32768-all-flags", "seq_len": 32768, "sp": 1, "flags": ALL_FLAGS},
+    {"name": "sp2-s32768-all-flags", "seq_len": 32768, "sp": 2, "flags": ALL_FLAGS},
+    {"name": "sp1-s16384-all-flags-tiled-layer", "seq_len": 16384, "sp": 1, "flags": _TL},
+    {"name": "sp1-s16384-all-flags-tiled-layer16", "seq_len": 16384, "sp": 1, "flags": {**_TL, "tiled_layer": 16}},
+    {"name": "sp1-s32768-all-flags-tiled-layer16", "seq_len": 32768, "sp": 1, "flags": {**_TL, "tiled_layer": 16},
+     "vs": "sp1-s32768-all-flags"},
+    {"name": "sp1-s16384-tiled-layer4", "seq_len": 16384, "sp": 1, "flags": {"tiled_layer": 4}},
+    {"name": "sp2-s16384-all-flags-tiled-layer8", "seq_len": 16384, "sp": 2, "flags": {**_TL, "tiled_layer": 8}},
+    {"name": "sp2-s32768-all-flags-tiled-layer16", "seq_len": 32768, "sp": 2, "flags": {**_TL, "tiled_layer": 16},
+     "vs": "sp2-s32768-all-flags"},
+    {"name": "sp2-s32768-gc-tiled-layer16", "seq_len": 32768, "sp": 2, "gradient_checkpointing": True,
+     "flags": {"tiled_layer": 16}},
+    {"name": "sp2-s16384-all-flags-head-chunks4-tiled-layer8", "seq_len": 16384, "sp": 2,
+     "flags": {**_TL, "tiled_layer": 8, "ulysses_head_chunks": 4}},
+]  # fmt: skip
+NO_TILED_LAYER = (
+    "tiled_layer is not in ParallelismConfig (hf_longctx/config.py): the --tiled points cannot be measured until "
+    "the flag lands; nothing was run (use --repredict on stored measurements to re-predict without training)"
+)
+
+
+def tiled_layer_available() -> bool:
+    """Whether this checkout's `hf_longctx.ParallelismConfig` has the `tiled_layer` field."""
+    import hf_longctx
+
+    return "tiled_layer" in {f.name for f in dataclasses.fields(hf_longctx.ParallelismConfig)}
+
+
+def tiled_ratios(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> list[str]:
+    """Lines comparing each tiled point with its untiled all-flags point ("vs"), measured and predicted."""
+    by_name = {r["name"]: r for r in rows}
+    lines = []
+    for point in points:
+        base, row = by_name.get(point.get("vs", "")), by_name.get(point["name"])
+        if base and row:
+            measured = row["measured_gib"] / base["measured_gib"]
+            predicted = row["predicted_gib"] / base["predicted_gib"]
+            lines.append(f"{point['name']} / {base['name']}: measured {measured:.2f}, predicted {predicted:.2f} "
+                         "(issue 19: <= 0.5)")  # fmt: skip
+    return lines
 
 
 def model_config(point: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +164,7 @@ def run_config(point: dict[str, Any]):
         gradient_checkpointing=point.get("gradient_checkpointing", False),
         tiled_loss=flags.get("tiled_loss", False),
         tiled_mlp=flags.get("tiled_mlp", False),
+        tiled_layer=flags.get("tiled_layer", False),
         offload_activations=flags.get("offload_activations", False),
         loss_chunk_tokens=point.get("loss_chunk_tokens"),
         ulysses_head_chunks=flags.get("ulysses_head_chunks", 1),
@@ -160,17 +212,20 @@ def calibrate(measured_gib: float, point: dict[str, Any]) -> float:
 
 
 def validate(
-    points: list[dict[str, Any]], log=print, measured: dict[str, dict[str, Any]] | None = None
+    points: list[dict[str, Any]],
+    log=print,
+    measured: dict[str, dict[str, Any]] | None = None,
+    timeout: float = 600.0,
 ) -> dict[str, Any]:
     """Measure every point, calibrate on the first, predict the rest; rows with relative errors.
 
     `measured` (name -> `measure` result) replaces the runs for the points it names: re-predicting
-    stored measurements after a planner change, without training again.
+    stored measurements after a planner change, without training again. `timeout`: seconds per point.
     """
     rows: list[dict[str, Any]] = []
     runtime, calibrated_on = None, None
     for point in points:
-        result = (measured or {}).get(point["name"]) or measure(point)
+        result = (measured or {}).get(point["name"]) or measure(point, timeout)
         if runtime is None:
             runtime, calibrated_on = calibrate(result["measured_gib"], point), point["name"]
             log(f"calibrated the CPU runtime term on {point['name']}: {runtime:.3f} GiB")
@@ -217,21 +272,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the calibration point and three others")
     parser.add_argument("--flags", action="store_true", help="add the memory-flag points")
+    parser.add_argument("--tiled", action="store_true", help="the tiled_layer points only (+ calibration)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--only", help="comma-separated point names (the calibration point always runs first)")
     parser.add_argument("--points", metavar="JSON", help="a JSON list of points to run instead (first = calibration)")
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write the report to this file")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per point (default 600)")
     parser.add_argument(
         "--repredict", metavar="JSON", help="predict again from a results file's measurements (no training)"
     )
     args = parser.parse_args(argv)
     points = list(QUICK if args.quick else GRID) + (FLAG_POINTS if args.flags else [])
+    if args.tiled:
+        points = [CALIBRATION, *TILED_POINTS]
+    known = GRID + FLAG_POINTS + TILED_POINTS
     if args.only:
         names = set(args.only.split(","))
-        unknown = names - {p["name"] for p in GRID + FLAG_POINTS}
+        unknown = names - {p["name"] for p in known}
         if unknown:
-            parser.error(f"unknown points {sorted(unknown)}; see GRID and FLAG_POINTS in this file")
-        points = [CALIBRATION] + [p for p in GRID + FLAG_POINTS if p["name"] in names - {CALIBRATION["name"]}]
+            parser.error(f"unknown points {sorted(unknown)}; see GRID, FLAG_POINTS and TILED_POINTS in this file")
+        points = [CALIBRATION] + [p for p in known if p["name"] in names - {CALIBRATION["name"]}]
     if args.points:
         points = json.loads(args.points)
     measured = None
@@ -239,8 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = json.loads(Path(args.repredict).read_text())["rows"]
         measured = {r["name"]: {"measured_gib": r["measured_gib"], "per_rank_gib": r["per_rank_gib"]} for r in rows}
         points = [p for p in points if p["name"] in measured]
+    tiled = any("tiled_layer" in p.get("flags", {}) for p in points)
+    if tiled and measured is None and not tiled_layer_available():
+        print(f"plan_validate: error: {NO_TILED_LAYER}", file=sys.stderr)
+        return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    report = validate(points, measured=measured)
+    report = validate(points, measured=measured, timeout=args.timeout)
+    for line in tiled_ratios(report["rows"], points):
+        print(line)
     measured = [r for r in report["rows"] if r.get("status") == "predicted"]
     worst = max((abs(r["rel_error"]) for r in measured), default=0.0)
     print(f"worst error over {len(measured)} predicted points: {100 * worst:.1f}% (tolerance {100 * TOLERANCE:.0f}%)")

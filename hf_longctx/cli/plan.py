@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from hf_longctx.planner.advice import Advice, next_flag
 from hf_longctx.planner.devices import DEVICES, DeviceProfile
 from hf_longctx.planner.estimate import Plan, estimate, max_seq_len
 from hf_longctx.planner.model_shape import load_model_shape, shipped_model_names
@@ -52,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="MLP over sequence tiles (N tiles; default ceil(tokens / hidden))",
     )
+    parser.add_argument(
+        "--tiled-layer",
+        nargs="?",
+        const=True,
+        default=False,
+        type=int,
+        metavar="N",
+        help="every token-local part of each decoder layer over sequence tiles, attention per query tile "
+        "(N tiles; default ceil(tokens / max(hidden, 4096)); subsumes --tiled-mlp)",
+    )
     parser.add_argument("--offload-activations", action="store_true", help="checkpointed layer inputs on the host")
     parser.add_argument(
         "--ulysses-head-chunks",
@@ -64,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-memory",
         type=float,
         metavar="GIB",
-        help="host RAM per node for pinned offloaded activations; refused when they do not fit (default: unlimited)",
+        help="host RAM per node for offloaded activations and model states; refused when they do not fit "
+        "(default: unlimited)",
     )
     parser.add_argument(
         "--ranks-per-node", type=int, default=None, help="ranks sharing one node's host RAM (default: min(world, 8))"
@@ -102,6 +114,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         gradient_checkpointing=args.gradient_checkpointing,
         tiled_loss=args.tiled_loss,
         tiled_mlp=args.tiled_mlp,
+        tiled_layer=args.tiled_layer,
         offload_activations=args.offload_activations,
         offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params,
@@ -121,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         device = device_profile(args)
         plan = estimate(model, config, device)
         longest = max_seq_len(model, config, device) if args.max_seq else None
+        advise = args.max_seq or not plan.fits
+        advice = next_flag(model, config, device, with_max_seq=args.max_seq) if advise else None
     except ValueError as exc:
         print(f"hf-longctx plan: error: {exc}", file=sys.stderr)
         return 2
@@ -130,9 +145,13 @@ def run(args: argparse.Namespace) -> int:
         plan = Plan(**{**plan.__dict__, "max_seq": longest})
     if args.json:
         out: dict[str, Any] = {"model": model.name, "device": device.name, "run": vars(config), **plan.as_dict()}
+        if advise:
+            out["next_flag"] = advice and vars(advice)
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, model.name, config, device))
+        if advise:
+            print(format_advice(advice))
     return 0 if plan.fits else 1
 
 
@@ -144,6 +163,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
             ("gradient checkpointing", run.gradient_checkpointing),
             ("tiled loss", run.tiled_loss),
             (f"tiled MLP ({'auto' if run.tiled_mlp is True else run.tiled_mlp} tiles)", run.tiled_mlp),
+            (f"tiled layer ({'auto' if run.tiled_layer is True else run.tiled_layer} tiles)", run.tiled_layer),
             ("offloaded activations", run.offload_activations),
             (f"{run.ulysses_head_chunks} Ulysses head chunks", run.ulysses_head_chunks > 1),
             ("offloaded optimizer", run.offload_optimizer),
@@ -158,8 +178,8 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
         f"  {run.engine}, {run.dtype}, {run.attn} attention" + (", " + ", ".join(flags) if flags else ""),
         f"  device {device.name}: {plan.capacity_gib:.2f} GiB; SP backend {run.sp_backend} (modelled: "
         f"{', '.join(SP_BACKENDS)}; not modelled: {', '.join(UNMODELLED_BACKENDS)})",
-        f"  host RAM per node (offloaded activations, {run.node_ranks} ranks): {plan.host_gib:.2f} GiB, limit "
-        + ("none (--host-memory)" if plan.host_capacity_gib is None else f"{plan.host_capacity_gib:g} GiB"),
+        f"  host RAM per node (offloaded activations and states, {run.node_ranks} ranks): {plan.host_gib:.2f} GiB, "
+        "limit " + ("none (--host-memory)" if plan.host_capacity_gib is None else f"{plan.host_capacity_gib:g} GiB"),
         "",
         f"  {'term (at the peak phase)':32s} {'GiB':>9s}",
     ]
@@ -178,3 +198,14 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
         lines.append(f"  longest sequence that fits: {plan.max_seq:,} tokens")
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def format_advice(advice: Advice | None) -> str:
+    """One line: the flag to turn on next and what it gives, or that none not yet on lowers the peak."""
+    if advice is None:
+        return "  next flag: none (no flag not yet on lowers the peak, or lengthens --max-seq, within the host RAM)"
+    verdict = "fits" if advice.fits else "still does NOT fit"
+    line = f"  next flag: {advice.flag} -> peak {advice.peak_gib:.2f} GiB ({verdict}; host {advice.host_gib:.2f} GiB)"
+    if advice.max_seq is not None:
+        line += f", longest sequence {advice.max_seq:,} tokens"
+    return line

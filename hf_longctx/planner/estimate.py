@@ -5,7 +5,7 @@ device) -> the memory of each term at the step's peak. `max_seq_len` bisects it 
 sequence length. Nothing here touches torch or a GPU, so a plan costs microseconds and runs
 anywhere; `hf-longctx plan` is its command line (`plan_cli.py`). Each term, and why it has the
 size it has, is documented in docs/planner.md; the per-token activation formulas live in
-`planner_terms.py`.
+`terms.py` (`tiled.py` for `tiled_layer`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hf_longctx.planner.devices import DeviceProfile
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 from hf_longctx.planner.run import RunConfig
 from hf_longctx.planner.terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes, valid_head_chunks
+from hf_longctx.planner.tiled import tiled_layer_bytes
 
 GIB = 2**30
 TERMS = (
@@ -112,6 +113,15 @@ def model_state_bytes(model: ModelShape, run: RunConfig) -> dict[str, float]:
     }
 
 
+def offloaded_state_bytes(model: ModelShape, run: RunConfig) -> float:
+    """Bytes of model state one rank's offload flags move to the host: the device's states without them
+    minus with them (DeepSpeed keeps the moved partitions in the same dtypes on the host)."""
+    kept = RunConfig(**{**asdict(run), "offload_optimizer": False, "offload_params": False})
+    moved = model_state_bytes(model, kept)
+    left = model_state_bytes(model, run)
+    return sum(moved[k] - left[k] for k in ("parameters", "gradients", "optimizer_states"))
+
+
 def backward_gradient_bytes(model: ModelShape, states: dict[str, float]) -> tuple[float, float]:
     """Gradient bytes at the first and at the last layer of the backward.
 
@@ -181,7 +191,8 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     a, h, n_layers = run.act_bytes, model.hidden, model.layers
     tokens = run.micro_batch * ceil_div(run.seq_len, run.sp)  # local tokens, padded to a multiple of sp
     states = model_state_bytes(model, run)
-    layer: LayerBytes = layer_bytes(model, run, tokens, device.host_is_device)
+    layer_fn = layer_bytes if run.tiled_layer is False else tiled_layer_bytes
+    layer: LayerBytes = layer_fn(model, run, tokens, device.host_is_device)
 
     checkpoint = tokens * h * a
     per_layer = checkpoint if run.checkpointing else layer.saved  # what each layer keeps until its backward
@@ -190,19 +201,27 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         resident = min(2, n_layers)  # the layer being recomputed and the prefetched one
     elif run.offload_activations:
         notes.append("on the CPU, offloaded activations stay in the same memory: no saving")
-    # offload_activations copies every layer's input to pinned host memory, per rank on the node.
-    host = n_layers * checkpoint * run.node_ranks if run.offload_activations and not device.host_is_device else 0.0
+    # offload_activations copies every layer's input to pinned host memory, per rank on the node; the
+    # offload flags keep what they move off the device (`offloaded_state_bytes`) on the host too.
+    on_host = run.offload_activations and not device.host_is_device
+    host_acts = n_layers * checkpoint * run.node_ranks if on_host else 0.0
+    host_states = 0.0 if device.host_is_device else offloaded_state_bytes(model, run) * run.node_ranks
+    host = host_acts + host_states
     host_fits = run.host_memory_gib is None or host <= run.host_memory_gib * GIB
-    if host:
+    if host_acts:
         notes.append(
-            f"{n_layers} offloaded layer inputs per rank ({_gib(host / run.node_ranks)} GiB) x {run.node_ranks} "
-            f"ranks = {_gib(host)} GiB pinned on the host per node"
+            f"{n_layers} offloaded layer inputs per rank ({_gib(host_acts / run.node_ranks)} GiB) x "
+            f"{run.node_ranks} ranks = {_gib(host_acts)} GiB pinned on the host per node"
         )
+    if host_states:
+        notes.append(f"offloaded model states: {_gib(host_states)} GiB on the host per node")
     if not host_fits:
+        drop = (("no --offload-activations", host_acts), ("no --offload-optimizer / --offload-params", host_states))
+        fix = " or ".join(name for name, on in drop if on)
         notes.append(
-            f"offloaded activations need {_gib(host)} GiB of host memory per node, more than --host-memory "
-            f"{run.host_memory_gib:g}: use fewer tokens (--seq-len, --micro-batch), more SP (--sp) or no "
-            "--offload-activations"
+            f"offloaded activations and states need {_gib(host)} GiB of host memory per node, more than "
+            f"--host-memory {run.host_memory_gib:g}: use fewer tokens (--seq-len, --micro-batch), more SP (--sp) "
+            f"or {fix}"
         )
     stored = resident * per_layer + layer.shared
     # The backward at its last layer: only layer 0's saved tensors (or input) are left.

@@ -20,11 +20,14 @@ class RunConfig:
     `world` ranks in all, `sp` of them split each sequence; every rank is a data-parallel rank to
     the engine (hf_longctx hides its SP axis from DeepSpeed / FSDP), so ZeRO and FSDP shard over
     `world`. `tiled_mlp` is False, True (tiles of `hidden` tokens, DeepSpeed's TiledMLP rule) or a
-    tile count; `offload_activations` checkpoints every layer, with or without `gradient_checkpointing`.
+    tile count; `tiled_layer` (same values: True = tiles of max(hidden, 4096) tokens) runs every
+    token-local part of each decoder layer per sequence tile and attention per query tile (it subsumes
+    `tiled_mlp` and recomputes the layer, see `planner/tiled.py`); `offload_activations` checkpoints
+    every layer, with or without `gradient_checkpointing`.
     `ulysses_head_chunks` runs the Ulysses exchange and kernel over that many chunks of each rank's heads.
     `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`). `host_memory_gib`
-    is one node's RAM for pinned offloaded activations (None: unlimited), shared by `ranks_per_node`
-    ranks (default: min(world, 8)).
+    is one node's RAM for pinned offloaded activations and offloaded model states (None: unlimited),
+    shared by `ranks_per_node` ranks (default: min(world, 8)).
     """
 
     seq_len: int
@@ -37,6 +40,7 @@ class RunConfig:
     gradient_checkpointing: bool = False
     tiled_loss: bool = False
     tiled_mlp: bool | int = False
+    tiled_layer: bool | int = False
     offload_activations: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -66,8 +70,15 @@ class RunConfig:
             raise ValueError("--offload-params needs --engine zero3 or --engine fsdp2 (sharded parameters).")
         if self.offload_params and self.engine == "zero3" and not self.offload_optimizer:
             raise ValueError("DeepSpeed offloads parameters only with the optimizer: add --offload-optimizer.")
-        if not isinstance(self.tiled_mlp, bool) and (not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 1):
-            raise ValueError(f"tiled_mlp must be True/False or a tile count >= 1, got {self.tiled_mlp!r}.")
+        for key in ("tiled_mlp", "tiled_layer"):
+            value = getattr(self, key)
+            if not isinstance(value, bool) and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key} must be True/False or a tile count >= 1, got {value!r}.")
+        if self.tiled_layer is not False and self.attn == "eager":
+            raise ValueError(
+                "--tiled-layer runs attention per query tile with kernels that return the log-sum-exp: "
+                "use --attn flash or --attn sdpa."
+            )
         chunks = self.ulysses_head_chunks
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"--ulysses-head-chunks must be an integer >= 1, got {chunks!r}.")
@@ -89,8 +100,9 @@ class RunConfig:
 
     @property
     def checkpointing(self) -> bool:
-        """Every decoder layer is checkpointed: `offload_activations` checkpoints them itself."""
-        return self.gradient_checkpointing or self.offload_activations
+        """Every decoder layer is checkpointed: `offload_activations` and `tiled_layer` (which recomputes
+        each tile in backward) checkpoint them themselves."""
+        return self.gradient_checkpointing or self.offload_activations or self.tiled_layer is not False
 
     @property
     def act_bytes(self) -> int:

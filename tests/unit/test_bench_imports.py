@@ -14,9 +14,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK_UNIT_TESTS = {
     "tests/unit/test_bench_report.py",
+    "tests/unit/test_gpu_ladder.py",
     "tests/unit/test_memory_report.py",
     "tests/unit/test_planner_published.py",
     "tests/unit/test_planner.py",
+    "tests/unit/test_plan_validate_tiled.py",
 }
 
 

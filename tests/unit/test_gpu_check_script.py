@@ -17,3 +17,12 @@ def test_gpu_check_without_cuda_says_so_and_exits_0():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "gpu_check: no CUDA device; nothing to run"
+
+
+def test_ladder_mode_without_cuda_exits_0_and_an_unknown_mode_exits_2():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    ladder = subprocess.run(["bash", script, "ladder"], capture_output=True, text=True, env=env, timeout=120)
+    assert ladder.returncode == 0 and ladder.stdout.strip() == "gpu_check: no CUDA device; nothing to run"
+    bad = subprocess.run(["bash", script, "nope"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "unknown mode 'nope'" in bad.stderr

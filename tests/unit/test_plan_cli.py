@@ -94,7 +94,7 @@ def test_host_memory_refuses_offload_that_does_not_fit(capsys):
     argv = [*QWEN_128K, "--engine", "zero3", "--gradient-checkpointing", "--offload-activations"]
     assert main([*argv, "--host-memory", "1000"]) == 0
     text = capsys.readouterr().out
-    assert "host RAM per node (offloaded activations, 4 ranks): 22.50 GiB, limit 1000 GiB" in text
+    assert "host RAM per node (offloaded activations and states, 4 ranks): 22.50 GiB, limit 1000 GiB" in text
     assert "SP backend ulysses (modelled: ulysses; not modelled: ring, hybrid, auto)" in text
     assert main([*argv, "--host-memory", "16"]) == 1
     captured = capsys.readouterr()
