@@ -1,7 +1,7 @@
 """Per-rank activation memory of a vision-language model at SP=2 vs SP=1 (CPU).
 
     python -m benchmarks.vlm_memory                    # S = 8K and 16K, 2 repeats (a few minutes on 2 cores)
-    python -m benchmarks.vlm_memory --seq-lens 4096 --repeats 1     # a quick look
+    python -m benchmarks.vlm_memory --seq-lens 4096 --repeats 1 --out /tmp/vlm   # a quick look
 
 One optimizer-free training step (forward + backward, after one warm-up step) of a random-init Qwen2.5-VL
 (decoder: 4 layers, hidden 256, 8 query / 2 key-value heads, vocabulary 1,024; vision tower: 2 blocks, hidden
@@ -16,11 +16,7 @@ so the ratio shows what sharding the decoder saves. Writes `benchmarks/results/<
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from benchmarks import _harness, _results
@@ -28,31 +24,12 @@ from benchmarks import _harness, _results
 TARGET = 0.55  # issue 18: per-rank decoder activation memory at SP=2 <= 0.55 x SP=1
 IMAGE, START, END = 1000, 1001, 1002
 IMAGES = ((8, 8), (8, 12))  # grids (h, w) of 2 x 2-pixel patches: 16 and 24 image tokens after the 2 x 2 merge
-TEXT = {
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 65536,
-    "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-VISION = {
-    "depth": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_heads": 2,
-    "out_hidden_size": 256,
-    "patch_size": 2,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 1,
-    "in_channels": 3,
-    "window_size": 8,
-    "fullatt_block_indexes": [1],
-}
+TEXT = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "bos_token_id": 1,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 65536, "eos_token_id": 2,
+        "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}}  # fmt: skip
+VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
+          "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 1, "in_channels": 3, "window_size": 8,
+          "fullatt_block_indexes": [1]}  # fmt: skip
 
 
 def _batch(seq_len: int) -> dict[str, Any]:
@@ -124,64 +101,30 @@ def step(rank: int, world: int, seq_len: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.options(__doc__, "vlm-memory", timeout=900, repeats=2)
     parser.add_argument("--seq-lens", default="8192,16384")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument(
-        "--out", type=Path, default=None, help="results prefix (default benchmarks/results/<date>-vlm-memory)"
-    )
     args = parser.parse_args(argv)
-    session = _harness.Session("python -m benchmarks.vlm_memory", argv, Path(tempfile.mkdtemp(prefix="bench-vlm-")))
-    runs: dict[tuple[int, int], list[float]] = {}
-    for seq_len in (int(s) for s in args.seq_lens.split(",")):
-        for rep in range(args.repeats):
-            for sp in (1, 2) if rep % 2 == 0 else (2, 1):
-                record = session.run(
-                    {"sp": sp, "seq_len": seq_len},
-                    f"SP={sp} S={seq_len}",
-                    "benchmarks.vlm_memory:step",
-                    sp,
-                    args.timeout,
-                    env=_harness.CPU_ENV,
-                    seq_len=seq_len,
-                    init_backend="gloo" if sp > 1 else None,
-                )
-                if record["status"] == "ok":
-                    worst = max(r["act_bytes"] for r in record["result"]["ranks"])
-                    runs.setdefault((seq_len, sp), []).append(worst)
-    meta = session.finish(lambda r: f"SP={r['spec']['sp']} S={r['spec']['seq_len']}")
-    rows = []
-    for seq_len in sorted({s for s, _ in runs}):
-        one, two = (_harness.median(runs.get((seq_len, sp), [])) for sp in (1, 2))
-        rows.append({"seq_len": seq_len, "sp1": one, "sp2": two, "ratio": _harness.ratio(two, one)})
+    session = _harness.Session("vlm_memory", argv)
+
+    def launch(seq_len: int, variant: str) -> dict[str, Any]:
+        sp = int(variant[-1])
+        return {"target": "benchmarks.vlm_memory:step", "nproc": sp, "env": _harness.CPU_ENV, "seq_len": seq_len,
+                "init_backend": "gloo" if sp > 1 else None}  # fmt: skip
+
+    session.alternate([int(s) for s in args.seq_lens.split(",")], ("SP=1", "SP=2"), args.repeats, args.timeout, launch)
+    meta = session.finish()
+    rows = _harness.medians(session.records, lambda r: {"act": _harness.worst(r, "act_bytes")}, base="SP=1")
     columns: list[_results.Column] = [
-        ("S", lambda r: _results.seq(r["seq_len"])),
-        ("SP=1 MiB", lambda r: _results.fmt(r["sp1"], ".0f", _results.MiB)),
-        ("SP=2 MiB per rank (worst)", lambda r: _results.fmt(r["sp2"], ".0f", _results.MiB)),
-        ("SP=2 / SP=1", lambda r: _results.fmt(r["ratio"], ".3f")),
-        ("target", lambda r: f"<= {TARGET}: " + ("reached" if _reached(r) else "NOT reached")),
-    ]
-    md = (
-        "\n".join(
-            [
-                f"# VLM activation memory per rank, SP=2 vs SP=1 ({meta['date']})",
-                "",
-                _results.run_line(meta),
-                "Model and method: see `benchmarks/vlm_memory.py`.",
-                "",
-                *_results.table(columns, rows),
-            ]
-        )
-        + "\n"
-    )
-    prefix = args.out or _results.RESULTS / f"{datetime.date.today().isoformat()}-vlm-memory"
-    _results.write(prefix, {"meta": meta, "rows": rows, "runs": {f"{s}/{p}": v for (s, p), v in runs.items()}}, md)
-    return 0 if rows and all(map(_reached, rows)) else 1
-
-
-def _reached(row: dict[str, Any]) -> bool:
-    return row["ratio"] is not None and row["ratio"] <= TARGET
+        ("S", lambda r: _results.seq(r["cell"])), ("run", lambda r: r["variant"]),
+        _results.col("activation MiB per rank (worst)", "act", ".0f", _results.MiB),
+        _results.col("x SP=1", "x_act", ".3f"),
+        ("target", lambda r: _results.target(r["x_act"], TARGET) if r["variant"] == "SP=2" else ""),
+    ]  # fmt: skip
+    title = f"VLM activation memory per rank, SP=2 vs SP=1 ({meta['date']})"
+    md = _results.page(title, meta, "Model and method: see `benchmarks/vlm_memory.py`.", _results.table(columns, rows))
+    _results.write(_harness.out(args), {"meta": meta, "rows": rows, "runs": session.records}, md)
+    sp2 = [r["x_act"] for r in rows if r["variant"] == "SP=2"]
+    return 0 if sp2 and all(x is not None and x <= TARGET for x in sp2) else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK_UNIT_TESTS = {
     "tests/unit/test_bench_report.py",
-    "tests/unit/test_memory_report.py",
     "tests/unit/test_planner_published.py",
     "tests/unit/test_planner.py",
 }
