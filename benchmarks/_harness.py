@@ -158,14 +158,15 @@ class Session:
 
 
 def medians(records: Iterable[dict[str, Any]], numbers: Callable[[dict[str, Any]], dict[str, Any]],
-            base: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """One row per (cell, variant) of `Session.alternate`'s ok records, in their first order: `{"cell", "variant",
-    "runs", **the median over repeats of numbers(record)}`; with `base`, also `x_<key>`: the ratio to the `base`
-    variant of the same cell."""
+            base: str | None = None, key: Callable[[dict[str, Any]], tuple] | None = None) -> list[dict]:  # fmt: skip
+    """One row per (cell, variant) of `Session.alternate`'s ok records (`key(spec)` for other specs), in their first
+    order: `{"cell", "variant", "runs", **the median over repeats of numbers(record)}`; with `base`, also
+    `x_<key>`: the ratio to the `base` variant of the same cell."""
     runs: dict[tuple[Any, str], list[dict[str, Any]]] = {}
     for r in records:
         if r["status"] == "ok":
-            runs.setdefault((r["spec"]["cell"], r["spec"]["variant"]), []).append(numbers(r))
+            cell = key(r["spec"]) if key else (r["spec"]["cell"], r["spec"]["variant"])
+            runs.setdefault(cell, []).append(numbers(r))
     rows = {key: {"cell": key[0], "variant": key[1], "runs": len(group),
                   **{k: median(g[k] for g in group) for k in group[0]}} for key, group in runs.items()}  # fmt: skip
     for (cell, _), row in rows.items():

@@ -51,9 +51,10 @@ def run_line(meta: dict[str, Any]) -> str:
 
 
 def page(title: str, meta: dict[str, Any] | None, *blocks: str | Sequence[str]) -> str:
-    """A results page: the title, the run line of `meta` (when given), then each block (text or lines)."""
+    """A results page: the title, the run line of `meta` (when given), each block (text or lines), failed runs."""
+    failed = [["Failed runs:", *[f"- {f}" for f in meta["failures"]]]] if meta and meta.get("failures") else []
     parts = [f"# {title}", *([run_line(meta)] if meta else [])]
-    return "\n\n".join(parts + [b if isinstance(b, str) else "\n".join(b) for b in blocks]) + "\n"
+    return "\n\n".join(parts + [b if isinstance(b, str) else "\n".join(b) for b in [*blocks, *failed]]) + "\n"
 
 
 def write(prefix: str | Path, data: dict[str, Any], markdown: str, plots: Sequence[str] = ()) -> str:

@@ -15,17 +15,15 @@ all-gather and reduce-scatter traffic. Hybrid needs P >= 4 (Ulysses degree 2 x r
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks import _harness, _results, report
-from benchmarks._results import MiB, fmt
-from benchmarks.run import PROFILES, RESULTS, failure, launch, make_spec
+from benchmarks._results import MiB, col
+from benchmarks.run import PROFILES, launch, make_spec
 from hf_longctx.attention.cost import Bytes, hybrid_bytes, ring_bytes, ulysses_bytes
 
 K = 1024
@@ -91,56 +89,35 @@ def measured_bytes(result: dict[str, Any], label: str, warmup: int) -> float:
 def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (P, S, label): medians over repeats and the ratios the README quotes."""
     base = {r["spec"]["seq_len"]: r["summary"] for r in runs if r["status"] == "ok" and r["spec"]["label"] == "sp1"}
-    cells: dict[tuple, list[dict]] = {}
-    for r in runs:
-        if r["status"] == "ok" and r["spec"]["label"] != "sp1":
-            cells.setdefault((r["spec"]["sp"], r["spec"]["seq_len"], r["spec"]["label"]), []).append(r)
-    out = []
-    for (sp, seq, label), group in sorted(
-        cells.items(), key=lambda kv: (kv[0][0], kv[0][1], list(IMPLS).index(kv[0][2]))
-    ):
-        med = {
-            k: _harness.median(g["summary"].get(k) for g in group)
-            for k in ("step_s", "act_bytes", "process_peak_bytes")
-        }
-        sent = _harness.median(g["bytes"] for g in group)
-        want = theory(group[0]["spec"])
-        sp1 = base.get(seq, {})
-        row = {"sp": sp, "seq_len": seq, "label": label, "repeats": len(group), **med, "bytes": sent, "theory": want}
-        row["bytes_vs_theory"] = _harness.ratio(sent, want)
-        row["act_vs_sp1"] = _harness.ratio(med["act_bytes"], sp1.get("act_bytes"))
-        row["sp1_step_s"] = sp1.get("step_s")
-        out.append(row)
+    theories = {(r["spec"]["sp"], r["spec"]["seq_len"], r["spec"]["label"]): theory(r["spec"]) for r in runs}
+    out = _harness.medians(
+        [r for r in runs if r["spec"]["label"] != "sp1"],
+        lambda r: {**{k: r["summary"][k] for k in ("step_s", "act_bytes", "process_peak_bytes")}, "bytes": r["bytes"]},
+        base="ulysses", key=lambda s: ((s["sp"], s["seq_len"]), s["label"]),
+    )  # fmt: skip
     for row in out:
-        ref = next(
-            (r for r in out if (r["sp"], r["seq_len"], r["label"]) == (row["sp"], row["seq_len"], "ulysses")), None
-        )
-        row["step_vs_ulysses"] = _harness.ratio(row["step_s"], ref["step_s"]) if ref else None
-    return out
+        (sp, seq), label = row["cell"], row["variant"]
+        want, sp1 = theories[(sp, seq, label)], base.get(seq, {})
+        row.update(sp=sp, seq_len=seq, label=label, repeats=row["runs"], theory=want, sp1_step_s=sp1.get("step_s"))
+        row.update(bytes_vs_theory=_harness.ratio(row["bytes"], want), step_vs_ulysses=row["x_step_s"])
+        row["act_vs_sp1"] = _harness.ratio(row["act_bytes"], sp1.get("act_bytes"))
+    return sorted(out, key=lambda r: (r["sp"], r["seq_len"], list(IMPLS).index(r["label"])))
 
 
 COLUMNS: list[_results.Column] = [
-    ("SP", lambda r: str(r["sp"])),
-    ("S", lambda r: _results.seq(r["seq_len"])),
-    ("backend", lambda r: r["label"]),
-    ("step s", lambda r: fmt(r["step_s"])),
-    ("vs Ulysses", lambda r: fmt(r["step_vs_ulysses"], ".3f")),
-    ("SP=1 step s", lambda r: fmt(r["sp1_step_s"])),
-    ("act MiB/rank", lambda r: fmt(r["act_bytes"], ".0f", MiB)),
-    ("act / SP=1", lambda r: fmt(r["act_vs_sp1"], ".3f")),
-    ("MiB sent/step", lambda r: fmt(r["bytes"], ".2f", MiB)),
-    ("theory MiB", lambda r: fmt(r["theory"], ".2f", MiB)),
-    ("measured / theory", lambda r: fmt(r["bytes_vs_theory"], ".3f")),
-]
+    ("SP", lambda r: str(r["sp"])), ("S", lambda r: _results.seq(r["seq_len"])), ("backend", lambda r: r["label"]),
+    col("step s", "step_s"), col("vs Ulysses", "step_vs_ulysses", ".3f"), col("SP=1 step s", "sp1_step_s"),
+    col("act MiB/rank", "act_bytes", ".0f", MiB), col("act / SP=1", "act_vs_sp1", ".3f"),
+    col("MiB sent/step", "bytes", ".2f", MiB), col("theory MiB", "theory", ".2f", MiB),
+    col("measured / theory", "bytes_vs_theory", ".3f"),
+]  # fmt: skip
 
 
 def markdown(meta: dict[str, Any], table: list[dict[str, Any]]) -> str:
-    lines = [f"# SP backends on the `cpu` profile ({meta['date']})", "", _results.run_line(meta)]
-    lines += [f"Model: {meta['model']}. Medians of {meta['steps']} measured steps per run.", ""]
-    lines += _results.table(COLUMNS, table)
-    if meta["failures"]:
-        lines += ["", "Failed runs:", *[f"- {f}" for f in meta["failures"]]]
-    return "\n".join(lines) + "\n"
+    model = f"Model: {meta['model']}. Medians of {meta['steps']} measured steps per run."
+    return _results.page(
+        f"SP backends on the `cpu` profile ({meta['date']})", meta, model, _results.table(COLUMNS, table)
+    )
 
 
 def plot(table: list[dict[str, Any]], prefix: str) -> list[str]:
@@ -166,36 +143,29 @@ def write(prefix: str, meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.options(__doc__, "backends-cpu", timeout=600, repeats=1, steps=2)
     parser.add_argument("--sps", default="2,4", help="comma-separated SP sizes (default: 2,4)")
     parser.add_argument("--seq-lens", default="4096", help="comma-separated S (default: 4096)")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2, help="measured steps per run (after 1 warm-up)")
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--tag", default=None)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--from-json", type=Path)
     args = parser.parse_args(argv)
     if args.from_json:
         data = json.loads(args.from_json.read_text())
-        write(str(args.from_json.with_suffix("")), data["meta"], data["runs"])
+        write(args.out or str(args.from_json.with_suffix("")), data["meta"], data["runs"])
         return 0
-    specs = plan(
-        [int(x) for x in args.sps.split(",")], [int(x) for x in args.seq_lens.split(",")], args.repeats, args.steps
-    )
-    session = _harness.Session("python -m benchmarks.backends", argv, Path(tempfile.mkdtemp(prefix="bench-backends-")))
+    sps, seq_lens = ([int(x) for x in a.split(",")] for a in (args.sps, args.seq_lens))
+    session = _harness.Session("backends", argv)
     runs = []
-    for spec in specs:
+    for spec in plan(sps, seq_lens, args.repeats, args.steps):
         record = launch(session, spec, args.timeout)
         if record["status"] == "ok":
             record["bytes"] = measured_bytes(record["result"], spec["label"], spec["warmup"])
         runs.append(record)
-    meta = session.finish(failure)
+    meta = session.finish()
     meta.update(
         steps=args.steps,
         model="tiny Llama, 2 layers, hidden 128, 4 query / 4 kv heads of 32, vocab 2048, fp32, sdpa, ZeRO-1",
     )
-    write(str(args.out_dir / (args.tag or f"{meta['date']}-backends-cpu")), meta, runs)
+    write(_harness.out(args), meta, runs)
     return 0 if meta["runs_failed"] == 0 else 1
 
 
