@@ -4,13 +4,8 @@
     python -m benchmarks.backends --seq-lens 4096,8192,16384 --repeats 2    # the full grid (quiet machine)
     python -m benchmarks.backends --from-json benchmarks/results/<date>-backends-cpu.json   # re-render
 
-Same worker, model, data, Trainer and ZeRO-1 engine as `benchmarks.run` (see benchmarks/README.md);
-only `spec["sp_options"]` differs between the hf_longctx rows. Per (P, S) cell every implementation
-runs `--repeats` times, the order reversed after each pass (drift cancels); one SP=1 baseline per S.
-Per run: step time (slowest rank, median of measured steps), activation memory per rank, and the bytes
-each rank sends per step against `hf_longctx.attention.cost` (2 layers x forward + backward): the
-all-to-all counter for Ulysses and upstream, hf_longctx's own counters for the ring's point-to-point,
-all-gather and reduce-scatter traffic. Hybrid needs P >= 4 (Ulysses degree 2 x ring P / 2).
+`benchmarks.run`'s specs with `IMPLS`' `sp_options`; bytes per step against `hf_longctx.attention.cost` (`theory`,
+`measured_bytes`). Method: benchmarks/README.md ("SP backends side by side").
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 
     python -m benchmarks.cli_speed [--runs 5]
 
-Each measurement is a fresh interpreter started from this checkout (`python -m hf_longctx.cli` is what
-the `hf-longctx` console script runs). Prints the median of `--runs` of: the cumulative import time of
-`hf_longctx.planner` as `python -X importtime` reports it (and of every import in that process, the
-interpreter's own start-up included), and the wall time of `hf-longctx --help` and `hf-longctx plan
---help`. Targets: import < 1 s, `--help` < 1.5 s; exit 1 when one is missed.
+Medians of fresh interpreters; targets: import < 1 s, `--help` < 1.5 s (exit 1 when one is missed). Method:
+benchmarks/README.md ("CLI start-up").
 """
 
 from __future__ import annotations
@@ -53,7 +50,7 @@ def wall_time(args: list[str]) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     runs = parser.parse_args().runs
     imports = [import_times("hf_longctx.planner") for _ in range(runs)]

@@ -3,14 +3,8 @@
     python -m benchmarks.dpo_memory                     # S = 1K and 2K, 2 repeats (no SP needs ~8 GiB at 2K)
     python -m benchmarks.dpo_memory --seq-lens 1024 --repeats 1 --out /tmp/dpo   # a quick look
 
-Each run is one `benchmarks._harness` job of `benchmarks.worker.run` with `trainer="dpo"`: TRL's `DPOTrainer`
-(sigmoid loss, a reference model of the same initial weights, SGD), DDP on gloo, fp32, sdpa, one thread per rank, on
-pairs whose prompt + chosen completion is S tokens (rejected: half the completion), so each step scores 2 rows of
-about S tokens with the policy and the reference. The model is a random-init Llama (2 layers, hidden 256, 8 / 2
-heads) with a vocabulary of 32,768: at these lengths the logits dominate, which `tiled_loss` removes and SP halves.
-Peak: the largest resident growth of any rank from just before the model is built to the end of training
-(`run_peak_bytes`: model, reference, optimizer, activations, buffers). Step time: the slowest rank's median over the
-measured steps. Runs alternate A B, B A. Writes `benchmarks/results/<date>-dpo-memory.{json,md}`.
+`VARIANTS` and `spec` are the runs (`benchmarks.worker.run` with `trainer="dpo"`); the method: benchmarks/README.md
+("DPO"). Writes `benchmarks/results/<date>-dpo-memory.{json,md}`.
 """
 
 from __future__ import annotations

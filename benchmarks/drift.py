@@ -4,18 +4,7 @@
     python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look: /tmp/drift.{json,md,png}
     python -m benchmarks.drift --from-json benchmarks/results/<date>-drift.json   # re-render table and plot
 
-One `benchmarks._harness` job of SP ranks (`benchmarks.worker.run`) trains the default tiny
-Llama (2 layers, GPT-2 vocabulary) with the stock Trainer and Ulysses SP on short Shakespeare windows (256
-tokens, batch 1, AdamW; 100 windows, so 300 steps cross two epoch boundaries), logging every step; the
-worker's step recorder (`benchmarks._measure`) samples on every rank, at the end of every optimizer step, the
-resident set size (`/proc/self/statm`), the number of OS threads (`/proc/self/status`), the number of live
-process groups and the step's wall time. The parent writes
-`benchmarks/results/<date>-drift.{json,md,png}` (or `--out`); `summarize` holds the verdicts:
-
-- memory: the first vs the last window of (up to) 50 measured steps after the warm-up; the growth of the
-  floor (the lowest RSS, what a leak raises) must be <= 1%; the median's and the peak's are reported;
-- threads and process groups: a single value on every rank after the warm-up (groups: from the first step);
-- step time: median of the second half of the measured steps vs the first half (and a least-squares slope).
+`summarize` holds the verdicts; the run and the verdicts are described in benchmarks/README.md ("Drift").
 """
 
 from __future__ import annotations

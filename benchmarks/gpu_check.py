@@ -3,20 +3,7 @@
     python -m benchmarks.gpu_check                 # on a CUDA machine (scripts/gpu_check.sh runs it)
     python -m benchmarks.gpu_check --cpu-dry-run   # the same code on CPU (flash stand-in, flex forward only)
 
-Each cell trains one step of a tiny random-init Llama on one packed row of three documents through
-hf_longctx and compares the loss and every parameter's gradient with the fp32 reference: the plain
-model run document by document (no hf_longctx), on the same device. bf16 cannot match fp32, so a bf16
-cell passes when its error is within 2x (+1e-6) of the plain bf16 model's own error against that
-reference, the way the kernels themselves are judged; fp32 cells must be within 1e-4 (loss) and 1e-3
-(gradients). A leak control runs the plain model on the whole packed row with only a causal mask: its
-error must be far larger, or the comparison could not see documents attending to each other.
-SP=2 runs as a two-rank `benchmarks._harness` job on the one GPU over gloo (NCCL refuses two ranks on one
-device); hf_longctx moves tensors to the host for gloo collectives (`comm.group_device`). Prints a table;
-writes `benchmarks/results/<date>-gpu-check.{json,md}`.
-
-The verdict (`verdict`): a SKIP is not a pass. Only a skip marked expected counts as one: flex_attention's
-backward and flash-attn on CPU (`--cpu-dry-run`) and a kernel named with `--expect-skip`. A flash row on
-CUDA refuses to run (ERROR) unless transformers resolves "flash_attention_2" to the flash_attn package.
+`matrix` runs the cells, `verdict` judges them (a SKIP is not a pass); method and tolerances: benchmarks/README.md.
 """
 
 from __future__ import annotations

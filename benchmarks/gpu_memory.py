@@ -2,23 +2,9 @@
 flags and DeepSpeed ZeRO-3 offload (parameters and optimizer in host memory), through the stock Trainer.
 
     python -m benchmarks.gpu_memory                      # ladder 64K..2M (stops at the first failure) + tokens/s at 64K
-    python -m benchmarks.gpu_memory --lengths 65536,131072 --throughput-steps 3
     python -m benchmarks.gpu_memory --shape tiny         # the same code path on a tiny model (CPU smoke run)
 
-Without CUDA (and without `--shape tiny`) it prints one "no CUDA device" line and exits 0, so
-`scripts/gpu_check.sh` can always call it. Each length runs in its own `torchrun --nproc_per_node 1` job (an
-out-of-memory error ends that job only) with a timeout; the ladder stops at the first length that fails.
-Reported per length: ok/failed, seconds for one optimizer step, peak GPU memory (`max_memory_allocated`) and
-peak host memory (resident high-water mark); at `--throughput-length` the median tokens/s over
-`--throughput-steps` steps after one warm-up step. Results: a table on stdout and
-`benchmarks/results/<date>-gpu-memory.{json,md}` (or `--out`, alias `--out-prefix`).
-
-The mark: ALST (Arctic Long Sequence Training, arXiv:2506.13996) reports 1.2M tokens for Llama-3.1-8B on one
-H200 with tiled loss, tiled MLP, activation-checkpoint offload and ZeRO-3 offload. Host memory bounds this run:
-the offloaded checkpoints take layers x S x hidden x 2 bytes (32 x 4096 x 2 = 256 KiB per token, 256 GiB at
-1M tokens) next to the offloaded bf16 weights and fp32 master weights / optimizer state. The default optimizer
-is therefore SGD (no state: 8B x 4 bytes of master weights instead of 8B x 12 with Adam); `--optim adamw_torch`
-needs about 100 GB more host memory.
+Method, output (`<date>-gpu-memory.{json,md}`, or `--out` / `--out-prefix`) and the ALST mark: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -2,14 +2,7 @@
 
     python -m benchmarks.head_chunks [--seq 8192] [--heads 16] [--kv-heads 8] [--head-dim 64] [--chunks 1,2,4] [--out P]
 
-Each rank calls the attention `enable_sequence_parallel` installs (Ulysses, or `head_chunked_attention`) on
-sequence-sharded q/k/v of one model layer (sdpa, fp32, one document) and runs its backward. A dispatch mode
-counts the bytes of every tensor storage from its creation until autograd frees it, from the sequence-sharded
-q/k/v on (made just before the call and referenced by nothing but it, as RoPE's outputs in a model): the
-peak in forward, what stays alive after it (what autograd saves for backward, plus the output), and the
-peak in backward (the output's gradient, not counted, aside; the q/k/v gradients it returns included).
-Also printed: the bytes of one full-sequence q/k/v/o set a rank holds at a time (`heads / (sp * chunks)`
-heads), the buffers the chunks shrink. Results: `benchmarks/results/<date>-head-chunks.{json,md}` (or `--out`).
+`measure` is one rank's call, counted by `live_bytes_mode`; what is counted: benchmarks/README.md ("Head chunks").
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Per-rank activation memory of a vision-language model at SP=2 vs SP=1 (CPU).
+"""Per-rank activation memory of a vision-language model (random-init Qwen2.5-VL) at SP=2 vs SP=1 (CPU).
 
     python -m benchmarks.vlm_memory                    # S = 8K and 16K, 2 repeats (a few minutes on 2 cores)
     python -m benchmarks.vlm_memory --seq-lens 4096 --repeats 1 --out /tmp/vlm   # a quick look
 
-One optimizer-free training step (forward + backward, after one warm-up step) of a random-init Qwen2.5-VL
-(decoder: 4 layers, hidden 256, 8 query / 2 key-value heads, vocabulary 1,024; vision tower: 2 blocks, hidden
-64) on one row of S tokens holding two images (16 x 16 and 16 x 24 pixels: 16 + 24 image tokens), in a fresh
-`benchmarks._harness` job per run: SP=1 is the plain model in one process, SP=2 is `hf_longctx` (Ulysses) on
-two processes, where the vision tower runs on the full images on both ranks (`hf_longctx/multimodal`). Memory:
-the rank's resident high-water mark during the step minus its resident memory at the step's start
-(`benchmarks._measure.StepMemory`: activations, gradients and transients), the worst rank, median over
-repeats; runs alternate SP=1 / SP=2 (A B, B A, ...). At these lengths the decoder's activations dominate,
-so the ratio shows what sharding the decoder saves. Writes `benchmarks/results/<date>-vlm-memory.{json,md}`.
+`step` is one run's ranks (two forward + backward steps, the second measured); the model, the batch and the
+method: benchmarks/README.md ("Vision-language models"). Writes `benchmarks/results/<date>-vlm-memory.{json,md}`.
 """
 
 from __future__ import annotations
