@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+import hf_longctx
 from benchmarks import _results
 from benchmarks._results import RESULTS
 
@@ -47,19 +48,12 @@ def _batch(device: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids.to(device), "labels": ids.clone().to(device), "position_ids": pos.to(device)}
 
 
-def _loss(logits: torch.Tensor, shift_labels: torch.Tensor, groups: Any) -> torch.Tensor:
-    import hf_longctx
-
-    return hf_longctx.sequence_parallel_loss(logits, shift_labels, groups)
-
-
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def plain_step(attn: str, dtype: torch.dtype, device: str, per_document: bool) -> tuple[float, dict]:
     """The model without hf_longctx: each document alone (`per_document`) or the whole row, causal only."""
-    import hf_longctx
     from hf_longctx.data.sharding import shard_batch_for_rank
 
     model = _model(attn, dtype, device)
@@ -72,14 +66,13 @@ def plain_step(attn: str, dtype: torch.dtype, device: str, per_document: bool) -
         )
     else:
         logits = model(input_ids=ids).logits
-    loss = _loss(logits.float(), shift_labels, hf_longctx.SequenceParallelGroups.single())
+    loss = hf_longctx.sequence_parallel_loss(logits.float(), shift_labels, hf_longctx.SequenceParallelGroups.single())
     loss.backward()
     return loss.item(), _grads(model)
 
 
 def sp_step(rank: int, world_size: int, attn: str, dtype_name: str, device: str) -> dict[str, float]:
     """One step through hf_longctx at SP=world_size; its errors against the fp32 per-document reference."""
-    import hf_longctx
     from hf_longctx.distributed.comm import all_reduce_sum
 
     if device == "cuda" and attn == "flash_attention_2" and not flash_kernel_module().startswith("flash_attn"):
@@ -87,13 +80,13 @@ def sp_step(rank: int, world_size: int, attn: str, dtype_name: str, device: str)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 cells are compared at fp32 tolerances
     torch.backends.cudnn.allow_tf32 = False
     ref = plain_step("eager", torch.float32, device, per_document=True)
-    solo = hf_longctx.SequenceParallelGroups.single()
-    groups = hf_longctx.SequenceParallelGroups.build(world_size) if world_size > 1 else solo
+    sp_groups = hf_longctx.SequenceParallelGroups
+    groups = sp_groups.build(world_size) if world_size > 1 else sp_groups.single()
     model = _model(attn, getattr(torch, dtype_name), device)
     with hf_longctx.enable_sequence_parallel(model, groups):
         shard = hf_longctx.shard_batch(_batch(device), groups)
         shift_labels = shard.pop("shift_labels")
-        loss = _loss(model(**shard).logits.float(), shift_labels, groups)
+        loss = hf_longctx.sequence_parallel_loss(model(**shard).logits.float(), shift_labels, groups)
         loss.backward()
     grads = {n: all_reduce_sum(g, groups.sp_group) / world_size for n, g in _grads(model).items()}
     loss_err, grad_err = _errors(loss.item(), grads, ref)
@@ -170,7 +163,7 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[bool, str]:
     skipped = sum(r["status"] == "SKIP" and bool(r.get("expected")) for r in rows)
     cells = ", ".join(f"{r['kernel']} {r['dtype']} SP={r['sp']} {r['status']}" for r in bad)
     line = f"{passed} PASS, {skipped} expected SKIP, {len(bad)} failed of {len(rows)} cells" + (
-        f": {cells}" if bad else ""
+        f": {cells}" * bool(bad)
     )
     return not bad, f"gpu_check: {'PASS' if not bad else 'FAIL'}: {line}"
 

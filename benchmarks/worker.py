@@ -59,22 +59,13 @@ def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str |
         return model_cls._from_config(config, attn_implementation=attn, dtype=torch_dtype)
 
 
-class Rows:
+def random_rows(n: int, seq_len: int, vocab: int, seed: int, same: bool = False) -> list[dict[str, list[int]]]:
     """`n` rows of `seq_len` random token ids in [3, vocab) (`same`: n copies of one row, so the first step's
     row is known whatever order the sampler picks); ids 0-2 stay free for the SFT tokenizer's specials."""
+    import torch
 
-    def __init__(self, n: int, seq_len: int, vocab: int, seed: int, same: bool = False) -> None:
-        import torch
-
-        gen = torch.Generator().manual_seed(seed)
-        shape = (1, seq_len) if same else (n, seq_len)
-        self.ids = torch.randint(3, vocab, shape, generator=gen).expand(n, seq_len)
-
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"input_ids": self.ids[i].tolist()}
+    ids = torch.randint(3, vocab, (1 if same else n, seq_len), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row.tolist()} for row in ids.expand(n, seq_len)]
 
 
 def make_collate(doc_len: int | None):
@@ -192,7 +183,7 @@ def _trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any]
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(max_length=spec["seq_len"], packing=False, dataset_num_proc=1, **common)
-    rows = datasets.Dataset.from_list([data[i] for i in range(len(data))])
+    rows = datasets.Dataset.from_list(list(data))
     return SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, callbacks=callbacks)
 
 
@@ -206,7 +197,7 @@ def _dpo_trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, 
         return " ".join(f"w{i}" for i in ids)
 
     half = spec["seq_len"] // 2
-    rows = [data[i]["input_ids"] for i in range(len(data))]
+    rows = [d["input_ids"] for d in data]
     pairs = datasets.Dataset.from_list([
         {"prompt": words(r[:half]), "chosen": " " + words(r[half:]), "rejected": " " + words(r[half:][: half // 2])}
         for r in rows])  # fmt: skip
@@ -256,7 +247,7 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         data = window_dataset(tok, spec["seq_len"], max_windows=spec.get("windows", 100))
     else:
         packed = spec.get("data") == "packed"
-        data = Rows((steps + 1) * world, spec["seq_len"], spec["model"]["vocab"], spec.get("seed", 0), same=packed)
+        data = random_rows((steps + 1) * world, spec["seq_len"], spec["model"]["vocab"], spec.get("seed", 0), packed)
     # Computed before training: the upstream path then replaces the process-wide kernel for every model.
     reference = None
     if spec.get("reference_loss") and rank == 0:
