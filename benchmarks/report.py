@@ -256,35 +256,30 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], base: 
     for model in models:
         mrows = [r for r in rows if r["model"] == model]
         mbase = [b for b in base if b["model"] == model]
-        if len(models) > 1:
-            out += [f"## Model `{model}`", ""]
+        out += [f"## Model `{model}`", ""] if len(models) > 1 else []
         for title, columns in SECTIONS:
-            if columns is OPS_COLUMNS and not any(_get(r, i, "ops_total_s") for r in mrows for i in IMPLS):
-                continue  # no profiled step (GPU profile, or older results)
-            out += [f"### {title}", ""] + _table(columns, mrows) + [""]
-        if mbase:
-            out += ["### SP=1 baseline (one process, no SP)", ""] + _table(BASELINE_COLUMNS, mbase) + [""]
+            if columns is not OPS_COLUMNS or any(_get(r, i, "ops_total_s") for r in mrows for i in IMPLS):
+                out += [f"### {title}", ""] + _table(columns, mrows) + [""]  # (no profiled step on the GPU profile)
+        out += ["### SP=1 baseline (one process, no SP)", ""] + _table(BASELINE_COLUMNS, mbase) + [""] if mbase else []
     failed = meta.get("failures") or []
-    if failed:
-        out += ["### Failed runs", ""] + [f"- {f}" for f in failed] + [""]
-    return "\n".join(out)
+    return "\n".join(out + (["### Failed runs", ""] + [f"- {f}" for f in failed] + [""] if failed else []))
 
 
 def headline(rows: Sequence[dict[str, Any]], min_seq: int = 8192) -> dict[str, Any]:
     """The acceptance numbers: step-time ratio at S >= min_seq, worst bytes/theory per SP, act memory ratios."""
-    out: dict[str, Any] = {"step_ratio_long": {}, "step_ratio_floor_long": {}, "bytes_vs_theory_max": {}}
-    out["act_vs_sp1"] = {}
+    out: dict[str, Any] = {
+        k: {} for k in ("step_ratio_long", "step_ratio_floor_long", "bytes_vs_theory_max", "act_vs_sp1")
+    }
     for r in rows:
         key = f"{r['model']}/sp{r['sp']}" if r["model"] else f"sp{r['sp']}"
+        cell = f"{key}/S{_seq(r['seq_len'])}"
         if r["seq_len"] >= min_seq:
-            out["step_ratio_long"][f"{key}/S{_seq(r['seq_len'])}"] = r["ratio"]["step_s"]
-            out["step_ratio_floor_long"][f"{key}/S{_seq(r['seq_len'])}"] = floor_ratio(r)
-        for impl in IMPLS:
-            v = r["bytes_vs_theory"][impl]
+            out["step_ratio_long"][cell], out["step_ratio_floor_long"][cell] = r["ratio"]["step_s"], floor_ratio(r)
+        for impl, v in r["bytes_vs_theory"].items():
             if v is not None:
                 d = out["bytes_vs_theory_max"].setdefault(impl, {})
                 d[key] = max(d.get(key, 0.0), v)
-        out["act_vs_sp1"][f"{key}/S{_seq(r['seq_len'])}"] = r["act_vs_sp1"]
+        out["act_vs_sp1"][cell] = r["act_vs_sp1"]
     return out
 
 

@@ -55,25 +55,15 @@ def model_shape(profile: dict[str, Any], name: str) -> dict[str, Any]:
 def make_spec(profile: dict[str, Any], model_name: str, impl: str, sp: int, seq_len: int) -> dict[str, Any]:
     """The JSON spec one worker job runs (see `benchmarks.worker`)."""
     model = dict(model_shape(profile, model_name), name=model_name, max_positions=seq_len)
-    return {
-        "impl": impl,
-        "sp": 1 if impl == report.BASELINE else sp,
-        "seq_len": seq_len,
-        "warmup": profile["warmup"],
-        "steps": profile["warmup"] + profile["steps"],  # the worker runs them all; reports skip the warm-up
-        "device": profile["device"],
-        "dtype": profile["dtype"],
-        "attn": profile["attn"],
-        "gradient_checkpointing": profile["gradient_checkpointing"],
-        "seed": 0,
-        # CPU: one thread per process. Intra-op threads on a shared 2-core box made the single process ~3x
-        # slower than one thread (OpenMP barriers spinning against other work), so SP=1 is one core and
-        # SP=P is P single-threaded processes (SP=4 oversubscribes 2 cores 2x, identically for A and B).
-        "threads": 1 if profile["device"] == "cpu" else None,
-        # one extra torch.profiler step per SP run for the "where the time goes" table (CPU only)
-        "op_profile": profile["device"] == "cpu" and impl != report.BASELINE,
-        "model": model,
-    }
+    cpu = profile["device"] == "cpu"
+    # CPU: one thread per process. Intra-op threads on a shared 2-core box made the single process ~3x slower than
+    # one thread (OpenMP barriers spinning against other work), so SP=1 is one core and SP=P is P single-threaded
+    # processes (SP=4 oversubscribes 2 cores 2x, identically for A and B). `op_profile`: one extra torch.profiler
+    # step per SP run for the "where the time goes" table (CPU only). `steps` counts the warm-up ones.
+    return {"impl": impl, "sp": 1 if impl == report.BASELINE else sp, "seq_len": seq_len, "warmup": profile["warmup"],
+            "steps": profile["warmup"] + profile["steps"], "seed": 0, "threads": 1 if cpu else None,
+            "op_profile": cpu and impl != report.BASELINE, "model": model,
+            **{k: profile[k] for k in ("device", "dtype", "attn", "gradient_checkpointing")}}  # fmt: skip
 
 
 def plan(profile: dict[str, Any]) -> list[dict[str, Any]]:
@@ -84,19 +74,13 @@ def plan(profile: dict[str, Any]) -> list[dict[str, Any]]:
     """
     specs, flip = [], False
     for model_name in profile["models"]:
-        seq_lens = sorted({s for _, s in profile["cells"]} | set(profile["sp1_seq_lens"]))
-        for seq_len in seq_lens:
-            if seq_len in profile["sp1_seq_lens"]:
-                for _ in range(profile["sp1_repeats"]):
-                    specs.append(make_spec(profile, model_name, report.BASELINE, 1, seq_len))
-            for sp, s in profile["cells"]:
-                if s != seq_len:
-                    continue
+        for seq_len in sorted({s for _, s in profile["cells"]} | set(profile["sp1_seq_lens"])):
+            n_sp1 = profile["sp1_repeats"] if seq_len in profile["sp1_seq_lens"] else 0
+            specs += [make_spec(profile, model_name, report.BASELINE, 1, seq_len) for _ in range(n_sp1)]
+            for sp in (sp for sp, s in profile["cells"] if s == seq_len):
                 for rep in range(profile["repeats"]):
-                    order = report.IMPLS[::-1] if flip else report.IMPLS
-                    flip = not flip
-                    for impl in order:
-                        specs.append(dict(make_spec(profile, model_name, impl, sp, seq_len), rep=rep))
+                    order, flip = report.IMPLS[::-1] if flip else report.IMPLS, not flip
+                    specs += [dict(make_spec(profile, model_name, impl, sp, seq_len), rep=rep) for impl in order]
     return specs
 
 
