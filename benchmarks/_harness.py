@@ -4,7 +4,7 @@
 benchmarks._harness --call module:function --kwargs JSON --out FILE` in its own session (a timeout kills the
 launcher and every rank) and returns a record `{"status", "wall_s", "result"?, "error"?}`. Inside the job,
 `main` calls `function(rank, world_size, **kwargs)` on every rank (after `init_process_group` when
-`init` is given; else the function sets up its own group, e.g. through accelerate), gathers the per-rank
+the kwargs carry `init_backend`; else the function sets up its own group, e.g. through accelerate), gathers the per-rank
 return values and rank 0 writes `{"ranks": [...], "versions": ...}`. `Session` runs jobs (`alternate`: every
 variant of every cell in A B / B A order) with one progress line each and the run's metadata (command, wall time,
 load, failures); `medians` aggregates them; `options` / `out` are the flags every benchmark shares.
@@ -191,14 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one benchmark job's ranks (launched by benchmarks._harness.job)")
     parser.add_argument("--call", required=True, help="module:function, called as fn(rank, world_size, **kwargs)")
     parser.add_argument("--kwargs", default="{}")
-    parser.add_argument("--init", default=None, help="init_process_group backend before the call (else none)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     kwargs = json.loads(args.kwargs)
-    backend = kwargs.pop("init_backend", args.init)
+    backend = kwargs.pop("init_backend", None)
     if backend:
         dist.init_process_group(backend)
     module, function = args.call.split(":")

@@ -38,29 +38,20 @@ def summarize(per_rank: list[list[dict[str, float]]], warmup: int) -> dict[str, 
         times = [s["step_s"] for s in after]
         half = len(times) // 2
         t_first, t_second = statistics.median(times[:half]), statistics.median(times[half:])
-        out["ranks"].append(
-            {
-                "window": window,
-                "rss_first_mib": statistics.median(first),
-                "rss_last_mib": statistics.median(last),
-                "rss_growth": statistics.median(last) / statistics.median(first) - 1,
-                "rss_floor_growth": min(last) / min(first) - 1,
-                "rss_peak_growth": max(last) / max(first) - 1,
-                "rss_slope_mib_per_100": 100 * _slope([s["step"] for s in after], [s["rss_mib"] for s in after]),
-                "threads": sorted({s["threads"] for s in after}),
-                "groups": sorted({s["groups"] for s in samples}),
-                "step_s_first_half": t_first,
-                "step_s_second_half": t_second,
-                "step_time_ratio": t_second / t_first,
-                "step_s_slope_per_100": 100 * _slope([s["step"] for s in after], times),
-            }
-        )
+        rss_first, rss_last, step = statistics.median(first), statistics.median(last), [s["step"] for s in after]
+        out["ranks"].append({
+            "window": window, "rss_first_mib": rss_first, "rss_last_mib": rss_last,
+            "rss_growth": rss_last / rss_first - 1, "rss_floor_growth": min(last) / min(first) - 1,
+            "rss_peak_growth": max(last) / max(first) - 1,
+            "rss_slope_mib_per_100": 100 * _slope(step, [s["rss_mib"] for s in after]),
+            "threads": sorted({s["threads"] for s in after}), "groups": sorted({s["groups"] for s in samples}),
+            "step_s_first_half": t_first, "step_s_second_half": t_second, "step_time_ratio": t_second / t_first,
+            "step_s_slope_per_100": 100 * _slope(step, times),
+        })  # fmt: skip
     ranks = out["ranks"]
-    out["ok"] = {
-        "memory": all(r["rss_floor_growth"] <= RSS_GROWTH_LIMIT for r in ranks),
-        "threads": all(len(r["threads"]) == 1 for r in ranks),
-        "groups": all(len(r["groups"]) == 1 for r in ranks),
-    }
+    out["ok"] = {"memory": all(r["rss_floor_growth"] <= RSS_GROWTH_LIMIT for r in ranks),
+                 "threads": all(len(r["threads"]) == 1 for r in ranks),
+                 "groups": all(len(r["groups"]) == 1 for r in ranks)}  # fmt: skip
     return out
 
 

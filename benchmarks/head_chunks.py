@@ -14,6 +14,7 @@ from benchmarks import _harness as H
 from benchmarks import _results as R
 
 TARGET = "benchmarks.head_chunks:measure"
+PHASES = {"forward_peak": "forward peak", "retained": "kept for backward", "backward_peak": "backward peak"}
 
 
 def live_bytes_mode():
@@ -70,10 +71,10 @@ def measure(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
     handle = hf_longctx.enable_sequence_parallel(model, groups, ulysses_head_chunks=chunks)
     attention = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[handle.key]
     module = model.model.layers[0].self_attn
-    local = seq // world
-    gen = torch.Generator().manual_seed(rank)
-    shapes = [(1, n, local, head_dim) for n in (heads, kv_heads, kv_heads)]
-    leaves = [torch.randn(shape, generator=gen, requires_grad=True) for shape in shapes]
+    local, gen = seq // world, torch.Generator().manual_seed(rank)
+    leaves = [
+        torch.randn(1, n, local, head_dim, generator=gen, requires_grad=True) for n in (heads, kv_heads, kv_heads)
+    ]
     grad = torch.randn(1, local, heads, head_dim, generator=gen)
     context = SequenceContext(torch.arange(seq).unsqueeze(0))
     kwargs = {"dropout": 0.0, "scaling": head_dim**-0.5, CONTEXT_KWARG: context}
@@ -89,19 +90,12 @@ def measure(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
         out.backward(grad)
         backward_peak = mode.peak
     handle.remove()
+    # One chunk's q, k, v and output over the full sequence (fp32): the buffers head chunks shrink.
     layout = head_layout(heads, kv_heads, world)
-    element = 4  # fp32
-    # One chunk's q, k, v and output over the full sequence: the buffers head chunks shrink.
-    buffers = element * seq * head_dim * (2 * layout.q_local + 2 * layout.kv_local) // chunks
-    return {
-        "forward_peak": forward_peak,
-        "retained": retained,
-        "backward_peak": backward_peak,
-        "output": out.nbytes,
-        "input_grads": sum(t.grad.nbytes for t in leaves),
-        "full_sequence_qkvo": buffers,
-        "inputs": inputs,
-    }
+    buffers = 4 * seq * head_dim * (2 * layout.q_local + 2 * layout.kv_local) // chunks
+    return {"forward_peak": forward_peak, "retained": retained, "backward_peak": backward_peak, "inputs": inputs,
+            "output": out.nbytes, "input_grads": sum(t.grad.nbytes for t in leaves),
+            "full_sequence_qkvo": buffers}  # fmt: skip
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, Any]) -> str:
@@ -109,11 +103,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, 
     mib = lambda r, key: R.fmt(r[key], ".1f", R.MiB)  # noqa: E731
     columns = [("chunks", lambda r: r["variant"].removeprefix("chunks=")), R.col("full-seq q/k/v/o per chunk MiB",
                "full_sequence_qkvo", ".1f", R.MiB)]  # fmt: skip
-    for key, title in (
-        ("forward_peak", "forward peak"),
-        ("retained", "kept for backward"),
-        ("backward_peak", "backward peak"),
-    ):
+    for key, title in PHASES.items():
         columns += [R.col(f"{title} MiB", key, ".1f", R.MiB), R.col("x", f"x_{key}")]
     text = (
         f"One Llama attention call, {shape['heads']} query / {shape['kv_heads']} key-value heads of dim "
