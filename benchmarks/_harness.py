@@ -175,6 +175,26 @@ def medians(records: Iterable[dict[str, Any]], numbers: Callable[[dict[str, Any]
     return list(rows.values())
 
 
+def compare(args: argparse.Namespace, argv: list[str] | None, cells: Iterable[Any], variants: Sequence[str],
+            launch: Callable[[Any, str], dict[str, Any]], numbers: Callable[[dict[str, Any]], dict[str, Any]],
+            columns: list[Any], title: str, text: str | Callable[[list[dict]], str],
+            target: tuple[str, str, float] | None = None) -> int:  # fmt: skip
+    """A whole comparison of an `options` benchmark: `Session.alternate` over `cells` x `variants`, `medians`
+    against the first variant, one page (`text`, then the table: S, variant, `columns`) in `<out>.{json,md}`; 0 when
+    `target` = (variant, key, limit) holds (key <= limit in every cell), or, without one, when every run ended ok."""
+    session = Session(args.name.replace("-", "_"), argv)
+    session.alternate(cells, variants, args.repeats, args.timeout, launch)
+    meta, rows = session.finish(), medians(session.records, numbers, base=variants[0])
+    columns = [("S", lambda r: _results.seq(r["cell"])), ("run", lambda r: r["variant"]), *columns]
+    text = text(rows) if callable(text) and rows else text
+    page = _results.page(f"{title} ({meta['date']})", meta, text, _results.table(columns, rows))
+    _results.write(out(args), {"meta": meta, "rows": rows, "runs": session.records}, page if rows else "no runs\n")
+    if target is None:
+        return 0 if rows and not meta["failures"] else 1
+    values = [r[target[1]] for r in rows if r["variant"] == target[0]]
+    return 0 if values and all(v is not None and v <= target[2] for v in values) else 1
+
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 

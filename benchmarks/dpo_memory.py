@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = _harness.options(__doc__, "dpo-memory", timeout=1200, repeats=2, steps=2)
     parser.add_argument("--seq-lens", default="1024,2048")
     args = parser.parse_args(argv)
-    session = _harness.Session("dpo_memory", argv)
 
     def launch(seq_len: int, variant: str) -> dict[str, Any]:
         job = spec(variant, seq_len, args.steps)
@@ -42,25 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         ranks = record["result"]["ranks"]
         if record["spec"]["variant"] != "no SP" and not all(r["flags_active"].get("tiled_loss") for r in ranks):
             raise SystemExit(f"tiled_loss was not applied: {[r['flags_active'] for r in ranks]}")
-        return {
-            "peak": _harness.worst(record, "run_peak_bytes"),
-            "step_s": _harness.slowest_rank_median(ranks, "step_s", 1),
-        }
+        step_s = _harness.slowest_rank_median(ranks, "step_s", 1)
+        return {"peak": _harness.worst(record, "run_peak_bytes"), "step_s": step_s}
 
-    session.alternate([int(s) for s in args.seq_lens.split(",")], list(VARIANTS), args.repeats, args.timeout, launch)
-    meta = session.finish()
-    rows = _harness.medians(session.records, numbers, base="no SP")
     columns: list[_results.Column] = [
-        ("S", lambda r: _results.seq(r["cell"])), ("run", lambda r: r["variant"]),
         _results.col("peak GiB per rank", "peak", ".3f", _results.GiB), _results.col("x no SP", "x_peak", ".3f"),
         ("target", lambda r: _results.target(r["x_peak"], TARGET) if r["variant"] == "SP=2 + tiled_loss" else ""),
         _results.col("step s", "step_s"), _results.col("x no SP", "x_step_s", ".3f"),
     ]  # fmt: skip
-    title = f"DPO memory per rank: SP=2 + tiled_loss vs no SP, CPU ({meta['date']})"
-    md = _results.page(title, meta, "Model and method: `benchmarks/dpo_memory.py`.", _results.table(columns, rows))
-    _results.write(_harness.out(args), {"meta": meta, "rows": rows, "runs": session.records}, md)
-    sp = [r["x_peak"] for r in rows if r["variant"] == "SP=2 + tiled_loss"]
-    return 0 if sp and all(x is not None and x <= TARGET for x in sp) else 1
+    return _harness.compare(
+        args, argv, [int(s) for s in args.seq_lens.split(",")], list(VARIANTS), launch, numbers, columns,
+        "DPO memory per rank: SP=2 + tiled_loss vs no SP, CPU", "Model and method: `benchmarks/dpo_memory.py`.",
+        target=("SP=2 + tiled_loss", "x_peak", TARGET),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

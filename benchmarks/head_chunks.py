@@ -98,46 +98,40 @@ def measure(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
             "full_sequence_qkvo": buffers}  # fmt: skip
 
 
-def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, Any]) -> str:
-    base = rows[0]
-    mib = lambda r, key: R.fmt(r[key], ".1f", R.MiB)  # noqa: E731
-    columns = [("chunks", lambda r: r["variant"].removeprefix("chunks=")), R.col("full-seq q/k/v/o per chunk MiB",
-               "full_sequence_qkvo", ".1f", R.MiB)]  # fmt: skip
-    for key, title in PHASES.items():
-        columns += [R.col(f"{title} MiB", key, ".1f", R.MiB), R.col("x", f"x_{key}")]
-    text = (
+def describe(shape: dict[str, Any], base: dict[str, Any]) -> str:
+    """The page's text: the call measured and what the bytes count (`base`: the chunks = 1 row)."""
+    mib = lambda key: R.fmt(base[key], ".1f", R.MiB)  # noqa: E731
+    return (
         f"One Llama attention call, {shape['heads']} query / {shape['kv_heads']} key-value heads of dim "
         f"{shape['head_dim']}, {R.seq(shape['seq'])} tokens (one document) over 2 ranks, sdpa, fp32. Bytes of the "
         "tensors the call creates (a dispatch mode counts each storage from its creation until autograd frees it): "
         "the forward's peak, what stays alive for backward (saved tensors + the output), and the backward's peak "
-        f"(including the q/k/v gradients it returns, {mib(base, 'input_grads')} MiB), counted from the "
-        f"sequence-sharded q/k/v on ({mib(base, 'inputs')} MiB, made for the call and held by it alone); the output "
-        f"is {mib(base, 'output')} MiB. Worst rank; x = ratio to chunks = 1."
+        f"(including the q/k/v gradients it returns, {mib('input_grads')} MiB), counted from the sequence-sharded "
+        f"q/k/v on ({mib('inputs')} MiB, made for the call and held by it alone); the output is {mib('output')} "
+        "MiB. Worst rank; x = ratio to chunks = 1."
     )
-    return R.page("Head-chunked Ulysses: memory of one attention call (CPU, SP=2)", meta, text, R.table(columns, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = H.options(__doc__, "head-chunks", timeout=600)
+    parser = H.options(__doc__, "head-chunks", timeout=600, repeats=1)
     for flag, default in (("--seq", 8192), ("--heads", 16), ("--kv-heads", 8), ("--head-dim", 64)):
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--chunks", default="1,2,4")
     args = parser.parse_args(argv)
     shape = {"seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
-    session = H.Session("head_chunks", argv)
 
     def launch(seq: int, variant: str) -> dict[str, Any]:
         chunks = int(variant.removeprefix("chunks="))
         return {"target": TARGET, "nproc": 2, "env": H.MALLOC_ENV, "init_backend": "gloo", **shape, "chunks": chunks}
 
-    variants = [f"chunks={c}" for c in args.chunks.split(",")]
-    session.alternate([args.seq], variants, 1, args.timeout, launch)
-    meta = session.finish()
-    rows = H.medians(session.records, lambda r: {k: H.worst(r, k) for k in r["result"]["ranks"][0]}, variants[0])
-    R.write(
-        H.out(args), {"meta": meta, "shape": shape, "rows": rows}, markdown(meta, rows, shape) if rows else "no runs\n"
-    )
-    return 0 if rows and not meta["failures"] else 1
+    columns = [R.col("full-seq q/k/v/o per chunk MiB", "full_sequence_qkvo", ".1f", R.MiB)]
+    for key, title in PHASES.items():
+        columns += [R.col(f"{title} MiB", key, ".1f", R.MiB), R.col("x", f"x_{key}")]
+    return H.compare(
+        args, argv, [args.seq], [f"chunks={c}" for c in args.chunks.split(",")], launch,
+        lambda r: {k: H.worst(r, k) for k in r["result"]["ranks"][0]}, columns,
+        "Head-chunked Ulysses: memory of one attention call (CPU, SP=2)", lambda rows: describe(shape, rows[0]),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -97,27 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = _harness.options(__doc__, "vlm-memory", timeout=900, repeats=2)
     parser.add_argument("--seq-lens", default="8192,16384")
     args = parser.parse_args(argv)
-    session = _harness.Session("vlm_memory", argv)
 
     def launch(seq_len: int, variant: str) -> dict[str, Any]:
         sp = int(variant[-1])
         return {"target": "benchmarks.vlm_memory:step", "nproc": sp, "env": _harness.CPU_ENV, "seq_len": seq_len,
                 "init_backend": "gloo" if sp > 1 else None}  # fmt: skip
 
-    session.alternate([int(s) for s in args.seq_lens.split(",")], ("SP=1", "SP=2"), args.repeats, args.timeout, launch)
-    meta = session.finish()
-    rows = _harness.medians(session.records, lambda r: {"act": _harness.worst(r, "act_bytes")}, base="SP=1")
     columns: list[_results.Column] = [
-        ("S", lambda r: _results.seq(r["cell"])), ("run", lambda r: r["variant"]),
         _results.col("activation MiB per rank (worst)", "act", ".0f", _results.MiB),
         _results.col("x SP=1", "x_act", ".3f"),
         ("target", lambda r: _results.target(r["x_act"], TARGET) if r["variant"] == "SP=2" else ""),
     ]  # fmt: skip
-    title = f"VLM activation memory per rank, SP=2 vs SP=1 ({meta['date']})"
-    md = _results.page(title, meta, "Model and method: see `benchmarks/vlm_memory.py`.", _results.table(columns, rows))
-    _results.write(_harness.out(args), {"meta": meta, "rows": rows, "runs": session.records}, md)
-    sp2 = [r["x_act"] for r in rows if r["variant"] == "SP=2"]
-    return 0 if sp2 and all(x is not None and x <= TARGET for x in sp2) else 1
+    return _harness.compare(
+        args, argv, [int(s) for s in args.seq_lens.split(",")], ("SP=1", "SP=2"), launch,
+        lambda r: {"act": _harness.worst(r, "act_bytes")}, columns, "VLM activation memory per rank, SP=2 vs SP=1",
+        "Model and method: see `benchmarks/vlm_memory.py`.", target=("SP=2", "x_act", TARGET),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

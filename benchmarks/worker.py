@@ -161,11 +161,8 @@ def flags_active(model: Any) -> dict[str, bool]:
 
     layer = model.model.layers[0]
     func = getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
-    return {
-        "tiled_loss": len(model.lm_head._forward_hooks) > 0,
-        "tiled_mlp": "forward" in vars(layer.mlp),
-        "offload_activations": func is offloaded_checkpoint,
-    }
+    return {"tiled_loss": len(model.lm_head._forward_hooks) > 0, "tiled_mlp": "forward" in vars(layer.mlp),
+            "offload_activations": func is offloaded_checkpoint}  # fmt: skip
 
 
 def _trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any], callbacks: list) -> Any:
