@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     return _harness.compare(
         args, argv, [int(s) for s in args.seq_lens.split(",")], list(VARIANTS), launch, numbers, columns,
-        "DPO memory per rank: SP=2 + tiled_loss vs no SP, CPU", "Model and method: `benchmarks/dpo_memory.py`.",
+        "DPO memory per rank: SP=2 + tiled_loss vs no SP, CPU", "Model and method: benchmarks/README.md (\"DPO\").",
         target=("SP=2 + tiled_loss", "x_peak", TARGET),
     )  # fmt: skip
 

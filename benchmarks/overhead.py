@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 -m benchmarks.overhead [--seq-len 4096] [--steps 12]
 
 Off and on alternate step by step in one process (same model, same batch), so machine drift cancels;
-prints the median step time of each and their ratio, and writes benchmarks/results/<date>-overhead.md.
+prints the median step time of each and their ratio, and appends them to benchmarks/results/<date>-overhead.md.
 """
 
 from __future__ import annotations

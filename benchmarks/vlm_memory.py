@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     return _harness.compare(
         args, argv, [int(s) for s in args.seq_lens.split(",")], ("SP=1", "SP=2"), launch,
         lambda r: {"act": _harness.worst(r, "act_bytes")}, columns, "VLM activation memory per rank, SP=2 vs SP=1",
-        "Model and method: see `benchmarks/vlm_memory.py`.", target=("SP=2", "x_act", TARGET),
+        "Model and method: benchmarks/README.md (\"Vision-language models\").", target=("SP=2", "x_act", TARGET),
     )  # fmt: skip
 
 
