@@ -53,40 +53,36 @@ def plan(sps: list[int], seq_lens: list[int], repeats: int, steps: int) -> list[
 
 def theory(spec: dict[str, Any]) -> float:
     """Bytes one rank sends per training step (all layers, forward + backward) for this run's backend."""
-    m, sp, seq = spec["model"], spec["sp"], spec["seq_len"]
-    elem = report.ELEM_BYTES[spec["dtype"]]
+    m, sp, seq, label = spec["model"], spec["sp"], spec["seq_len"], spec["label"]
+    elem, options = report.ELEM_BYTES[spec["dtype"]], IMPLS[label][1]
     args = (m["heads"], m["kv_heads"], m["head_dim"], seq)
-    label = spec["label"]
     if label in ("ulysses", "upstream"):
         per_layer: Bytes = ulysses_bytes(*args, sp, sp, elem)
     elif label.startswith("ring"):
-        per_layer = ring_bytes(m["kv_heads"], m["head_dim"], seq, sp, elem, 4, IMPLS[label][1]["ring_variant"])
+        per_layer = ring_bytes(m["kv_heads"], m["head_dim"], seq, sp, elem, 4, options["ring_variant"])
     else:
-        options = IMPLS[label][1]
         per_layer = hybrid_bytes(*args, sp, options["ulysses_degree"], elem, 4, options["ring_variant"])
     return m["layers"] * per_layer.total
 
 
 def measured_bytes(result: dict[str, Any], label: str, warmup: int) -> float:
     """Mean over ranks of the median bytes per measured step that the backend's own exchanges sent."""
-    per_rank = []
-    for rank in result["ranks"]:
-        steps = rank["steps"][warmup:]
-        if label in ("ulysses", "upstream"):
-            per_step = [s["a2a_bytes"] for s in steps]
-        else:
-            ops = RING_OPS + (("all_to_all",) if label == "hybrid" else ())
-            per_step = [sum(s["hf_ops"].get(op, [0, 0, 0])[1] for op in ops) for s in steps]
-        per_rank.append(statistics.median(per_step))
-    return statistics.fmean(per_rank)
+    ops = RING_OPS + (("all_to_all",) if label == "hybrid" else ())
+
+    def sent(step: dict[str, Any]) -> float:
+        ours = sum(step["hf_ops"].get(op, [0, 0, 0])[1] for op in ops)
+        return step["a2a_bytes"] if label in ("ulysses", "upstream") else ours
+
+    return statistics.fmean(statistics.median(sent(s) for s in r["steps"][warmup:]) for r in result["ranks"])
 
 
 def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (P, S, label): medians over repeats and the ratios the README quotes."""
     base = {r["spec"]["seq_len"]: r["summary"] for r in runs if r["status"] == "ok" and r["spec"]["label"] == "sp1"}
-    theories = {(r["spec"]["sp"], r["spec"]["seq_len"], r["spec"]["label"]): theory(r["spec"]) for r in runs}
+    sp_runs = [r for r in runs if r["spec"]["label"] != "sp1"]
+    theories = {(r["spec"]["sp"], r["spec"]["seq_len"], r["spec"]["label"]): theory(r["spec"]) for r in sp_runs}
     out = _harness.medians(
-        [r for r in runs if r["spec"]["label"] != "sp1"],
+        sp_runs,
         lambda r: {**{k: r["summary"][k] for k in ("step_s", "act_bytes", "process_peak_bytes")}, "bytes": r["bytes"]},
         base="ulysses", key=lambda s: ((s["sp"], s["seq_len"]), s["label"]),
     )  # fmt: skip
