@@ -37,15 +37,9 @@ def _batch(seq_len: int) -> dict[str, Any]:
         grids.append((1, h, w))
         at += seq_len // 3
     pixels = torch.randn(sum(h * w for _, h, w in grids), 12, generator=gen)
-    labels = ids.masked_fill(ids == IMAGE, -100)
-    return {
-        "input_ids": ids,
-        "labels": labels,
-        "attention_mask": torch.ones_like(ids),
-        "mm_token_type_ids": (ids == IMAGE).long(),
-        "pixel_values": pixels,
-        "image_grid_thw": torch.tensor(grids),
-    }
+    return {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100), "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == IMAGE).long(), "pixel_values": pixels,
+            "image_grid_thw": torch.tensor(grids)}  # fmt: skip
 
 
 def step(rank: int, world: int, seq_len: int) -> dict[str, Any]:
@@ -60,14 +54,13 @@ def step(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     from benchmarks._measure import StepMemory
 
     torch.set_num_threads(1)
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=TEXT,
-        vision_config=VISION,
-        image_token_id=IMAGE,
-        video_token_id=1003,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-    )
+    tokens = {
+        "image_token_id": IMAGE,
+        "video_token_id": 1003,
+        "vision_start_token_id": START,
+        "vision_end_token_id": END,
+    }
+    config = transformers.Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, **tokens)
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation="sdpa").train()
     batch = _batch(seq_len)
