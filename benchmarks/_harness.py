@@ -1,13 +1,7 @@
-"""The harness every benchmark shares: launch a job, run a worker function in its ranks, collect stats.
-
-`job(target, nproc, timeout, log_dir, name, **kwargs)` runs `torchrun --standalone --nproc_per_node N -m
-benchmarks._harness --call module:function --kwargs JSON --out FILE` in its own session (a timeout kills the
-launcher and every rank) and returns a record `{"status", "wall_s", "result"?, "error"?}`. Inside the job,
-`main` calls `function(rank, world_size, **kwargs)` on every rank (after `init_process_group` when
-the kwargs carry `init_backend`; else the function sets up its own group, e.g. through accelerate), gathers the per-rank
-return values and rank 0 writes `{"ranks": [...], "versions": ...}`. `Session` runs jobs (`alternate`: every
-variant of every cell in A B / B A order) with one progress line each and the run's metadata (command, wall time,
-load, failures); `medians` aggregates them; `options` / `out` are the flags every benchmark shares.
+"""The harness every benchmark shares: `job` (torchrun of `module:function` in N ranks, with a timeout that kills
+every rank; `main` is the ranks' side: `function(rank, world_size, **kwargs)`, results gathered to rank 0),
+`Session` (a benchmark's jobs, progress lines and metadata; `alternate`: every variant of every cell in A B / B A
+order), `medians` (aggregation), `compare` (a whole comparison) and `options` / `out` (the shared flags).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""What a benchmark run measures in each rank: collectives, memory per step, and one record per optimizer step.
-
-- `CommCounter` wraps `torch.distributed.all_to_all_single` (and, for information, `all_gather`,
-  `all_gather_into_tensor`, `all_reduce`, `reduce_scatter_tensor`, `broadcast`) process-wide, for every SP
-  implementation alike: calls, bytes this rank sends to other ranks, wall time inside the call (CUDA events on GPU).
-- `StepMemory`: the resident high-water mark `VmHWM`, reset at each step's start through `/proc/self/clear_refs`
-  (CPU), or the allocator peak `torch.cuda.max_memory_allocated` (GPU); `process_peak` covers the whole run.
-- `recorder(...)`: a `TrainerCallback` that records every optimizer step between `on_step_begin` and `on_step_end`
-  (the batch is already loaded then): `step_s` (CUDA synchronised at both ends), `iter_s` (from the previous step's
-  end: adds data loading), process CPU time, memory before / peak, collective counts and bytes, and the drift probe
-  (resident MiB from `/proc/self/statm`, OS threads, live process groups). One step may instead run under
-  `torch.profiler` (`profile_step`): its self CPU time split by `categorize_ops`, kept out of `steps`.
+"""What a benchmark run measures in each rank (benchmarks/README.md, "What is measured, and how"): `CommCounter`
+(calls, bytes sent to other ranks and time of every collective, process-wide), `StepMemory` (the per-step peak:
+`VmHWM` reset through `/proc/self/clear_refs` on CPU, the allocator peak on GPU), `recorder` (the `TrainerCallback`
+writing one record per optimizer step, and one optional profiled step split by `categorize_ops`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Pure functions of the benchmark: theory bytes, medians per run and per cell, ratios, markdown, plots.
-
-Nothing here launches a process; `tests/unit/test_bench_report.py` tests it directly.
-
-Aggregation (documented in benchmarks/README.md):
-
-- one run (one torchrun job) -> `run_summary`: per measured step the slowest rank's step time, median over
-  the measured steps; memory and communication per rank as the median over measured steps, then the worst
-  (max) rank for memory and time, the mean over ranks for bytes;
-- one cell (impl, sp, seq_len) -> `cell_rows`: the median over repeats of each run-level number, and the
-  ratios hf_longctx / upstream, measured bytes / theory, activation memory at SP=P / SP=1.
+"""Pure functions of the A/B benchmark (`benchmarks.run`): theory bytes, `run_summary` (one run), `cell_rows` (one
+(impl, SP, S) cell: medians over repeats and ratios hf_longctx / upstream, bytes / theory, activation memory /
+SP=1), `render_markdown`, `headline` and `plot`. How ranks and repeats are combined: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -5,11 +5,7 @@
     python -m benchmarks.run --profile gpu     # NCCL, bf16, flash_attention_2, Qwen3-4B / Llama-8B shapes
     python -m benchmarks.run --quick --out /tmp/ab   # results to /tmp/ab.{json,md} and /tmp/ab-*.png
 
-Every measured run is one `benchmarks._harness` job (torchrun, P ranks, `benchmarks.worker.run`) with a
-timeout. Per (SP, S) cell the two implementations run `--repeats` times each in alternating
-order (A B, B A, A B, ...: linear machine drift cancels); SP=1 baselines (one process, no SP, same model,
-data and engine) give the memory reference. Results: `benchmarks/results/<date>-<profile>.{json,md}` and
-`-time.png`, `-memory.png`, `-bytes.png`.
+`PROFILES` are the grids, `plan` their jobs in A B / B A order; method and outputs: benchmarks/README.md.
 """
 
 from __future__ import annotations
