@@ -171,8 +171,7 @@ def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
                "machine).", verdicts]  # fmt: skip
     if summary["failures"]:
         blocks.append("Failed runs: " + "; ".join(summary["failures"]))
-    page = _results.page(f"Memory benchmark, CPU ({meta['date']})", None, _results.run_line(meta) + intro, *blocks)
-    return page
+    return _results.page(f"Memory benchmark, CPU ({meta['date']})", None, _results.run_line(meta) + intro, *blocks)
 
 
 PALETTE = {"off": "tab:blue", "ckpt": "tab:cyan", "loss": "tab:olive", "flags": "tab:green", "upstream": "tab:red"}
@@ -189,9 +188,8 @@ def plot(summary: dict[str, Any], prefix: str) -> list[str]:
             gaps.add(len(items) - 1)
         title = f"hf_longctx (off / flags) vs upstream DeepSpeed SP, SP=2: {label}"
         paths.append(_results.bars(f"{prefix}-{name}.png", title, label, items, gaps))
-    if not summary["ladder"]:
+    if not (ladder := summary["ladder"]):
         return paths
-    ladder = summary["ladder"]
     lines = [ln for v in ("upstream", "flags") for ln in _results.line(
         [r for r in ladder if r["variant"] == v], lambda r: r["peak_gib"], label=v, color=PALETTE[v])]  # fmt: skip
     panel = {"title": "one optimizer step: peak memory vs length", "xlabel": "sequence length (tokens, SP=2)",
