@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # A fixed mmap threshold turns off glibc's dynamic one: freed tensors go back to the OS, so resident memory
 # follows the live tensors (see benchmarks/README.md).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-# CPU jobs: one thread per rank (ranks share the cores), gloo on the loopback, glibc's threshold fixed.
-CPU_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **MALLOC_ENV}
+# CPU jobs: one thread per rank (ranks share the cores), gloo on the loopback (and glibc's threshold fixed).
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+CPU_ENV = {**THREAD_ENV, **MALLOC_ENV}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 

@@ -122,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     spec = {"impl": "hf_longctx", "engine": "ddp", "sp": args.sp, "steps": args.steps, "seq_len": args.seq_len,
             "data": "shakespeare", "windows": args.windows, "lr": 1e-3, "log": True, "threads": 1}  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     with tempfile.TemporaryDirectory(prefix="bench-drift-") as tmp:
         timeout = max(args.timeout, 10 * args.steps)
-        record = _harness.job("benchmarks.worker:run", args.sp, timeout, Path(tmp), "drift", env=env, spec=spec)
+        record = _harness.job(
+            "benchmarks.worker:run", args.sp, timeout, Path(tmp), "drift", env=_harness.THREAD_ENV, spec=spec
+        )
     if record["status"] != "ok":
         raise SystemExit(f"drift job {record['status']}: {record['error']}")
     command = "python -m benchmarks.drift" + ("" if args.steps == 300 else f" --steps {args.steps}")

@@ -120,7 +120,7 @@ def run_cell(attn: str, dtype: torch.dtype, sp: int, device: str, log_dir: Path)
     else:
         name = f"{attn}-{dtype_name}-sp{sp}"
         kwargs = {"attn": attn, "dtype_name": dtype_name, "device": device, "init_backend": "gloo"}
-        env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}  # one thread per rank: 2 ranks may share a box
+        env = _harness.THREAD_ENV  # one thread per rank: 2 ranks may share a box
         record = _harness.job("benchmarks.gpu_check:sp_step", sp, 300, log_dir, name, env=env, **kwargs)
         if record["status"] != "ok":
             raise RuntimeError(record["error"][-600:])
