@@ -181,7 +181,7 @@ def compare(args: argparse.Namespace, argv: list[str] | None, cells: Iterable[An
     session.alternate(cells, variants, args.repeats, args.timeout, launch)
     meta, rows = session.finish(), medians(session.records, numbers, base=variants[0])
     columns = [("S", lambda r: _results.seq(r["cell"])), ("run", lambda r: r["variant"]), *columns]
-    text = text(rows) if callable(text) and rows else text
+    text = (text(rows) if rows else "") if callable(text) else text
     page = _results.page(f"{title} ({meta['date']})", meta, text, _results.table(columns, rows))
     _results.write(out(args), {"meta": meta, "rows": rows, "runs": session.records}, page if rows else "no runs\n")
     if target is None:
