@@ -1,5 +1,2 @@
-"""A/B benchmark of hf_longctx Ulysses SP against the upstream accelerate/DeepSpeed SP path.
-
-`python -m benchmarks.run` is the entry point; `benchmarks.worker` is one measured run (launched by
-`torchrun`), `benchmarks.report` holds the pure aggregation, theory and rendering functions.
-"""
+"""Benchmarks of hf_longctx, one `python -m benchmarks.<name>` each (benchmarks/README.md); they share `_harness`
+(jobs, options, aggregation), `worker` (the training run), `_measure` (what a rank records) and `_results`."""

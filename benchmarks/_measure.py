@@ -1,15 +1,7 @@
-"""What a benchmark run measures in each rank: collectives, memory per step, and one record per optimizer step.
-
-- `CommCounter` wraps `torch.distributed.all_to_all_single` (and, for information, `all_gather`,
-  `all_gather_into_tensor`, `all_reduce`, `reduce_scatter_tensor`, `broadcast`) process-wide, for every SP
-  implementation alike: calls, bytes this rank sends to other ranks, wall time inside the call (CUDA events on GPU).
-- `StepMemory`: the resident high-water mark `VmHWM`, reset at each step's start through `/proc/self/clear_refs`
-  (CPU), or the allocator peak `torch.cuda.max_memory_allocated` (GPU); `process_peak` covers the whole run.
-- `recorder(...)`: a `TrainerCallback` that records every optimizer step between `on_step_begin` and `on_step_end`
-  (the batch is already loaded then): `step_s` (CUDA synchronised at both ends), `iter_s` (from the previous step's
-  end: adds data loading), process CPU time, memory before / peak, collective counts and bytes, and the drift probe
-  (resident MiB from `/proc/self/statm`, OS threads, live process groups). One step may instead run under
-  `torch.profiler` (`profile_step`): its self CPU time split by `report.categorize_ops`, kept out of `steps`.
+"""What a benchmark run measures in each rank (benchmarks/README.md, "What is measured, and how"): `CommCounter`
+(calls, bytes sent to other ranks and time of every collective, process-wide), `StepMemory` (the per-step peak:
+`VmHWM` reset through `/proc/self/clear_refs` on CPU, the allocator peak on GPU), `recorder` (the `TrainerCallback`
+writing one record per optimizer step, and one optional profiled step split by `categorize_ops`).
 """
 
 from __future__ import annotations
@@ -18,7 +10,7 @@ import inspect
 import re
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 # What one all_to_all_single / other collective sends to other ranks, given its bytes `n` and group size `ws`.
@@ -30,6 +22,11 @@ _VOLUME: dict[str, tuple[str, Callable[[int, int], float]]] = {
     "broadcast": ("tensor", lambda n, ws: n),
 }
 A2A = "all_to_all_single"
+OP_CATEGORIES = ("attention", "matmul", "communication", "other")
+# Kernel ops both implementations run on identical shapes (the model's own math).
+_ATTENTION_OPS = ("scaleddotproduct", "flashattention", "flashattn", "efficientattention", "flexattention")
+_MATMUL_OPS = frozenset(("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addmv", "aten::mv"))
+_COMM_OPS = ("c10d::", "alltoall", "allgather", "allreduce", "reducescatter", "broadcast")
 
 
 class CommCounter:
@@ -162,6 +159,43 @@ class StepMemory:
         return peak
 
 
+def op_category(name: str) -> str | None:
+    """ "attention", "matmul" or "communication" for a profiler op or autograd node name, else None.
+
+    Names are matched without case and underscores, so forward ops and their autograd nodes agree
+    (`aten::_scaled_dot_product_flash_attention_for_cpu`, `ScaledDotProductFlashAttentionForCpuBackward0`,
+    `_AllToAll`, `deepspeed::dim_zero_all_to_all`, `c10d::alltoall_base_`).
+    """
+    if name in _MATMUL_OPS:
+        return "matmul"
+    key = name.lower().replace("_", "")
+    if any(op in key for op in _ATTENTION_OPS):
+        return "attention"
+    if any(op in key for op in _COMM_OPS):
+        return "communication"
+    return None
+
+
+def categorize_ops(events: Iterable[tuple[float, Sequence[str]]]) -> dict[str, float]:
+    """Split profiled self time into `OP_CATEGORIES`.
+
+    Args:
+        events: per profiler event its self time (s) and the names of the event and its ancestors,
+            innermost first. An event counts for the innermost classified name of its chain, so the
+            layout copies inside an all-to-all count as communication and a `mm` as matmul wherever it
+            runs; time outside any classified op (elementwise, loss, optimizer, framework) is "other".
+
+    Returns:
+        Seconds per category plus "total" (the categories partition it: self times do not overlap).
+    """
+    out = dict.fromkeys(OP_CATEGORIES, 0.0)
+    for self_s, chain in events:
+        category = next((c for c in map(op_category, chain) if c is not None), "other")
+        out[category] += self_s
+    out["total"] = sum(out[c] for c in OP_CATEGORIES)
+    return out
+
+
 def _op_events(prof: Any) -> list[tuple[float, list[str]]]:
     """Per profiler event: self CPU seconds and the names of the event and its ancestors, innermost first."""
     out = []
@@ -189,8 +223,6 @@ def recorder(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool
     """The `TrainerCallback` that fills `.steps` (and `.op_profile` for the step numbered `profile_step`)."""
     import torch
     from transformers import TrainerCallback
-
-    from benchmarks.report import categorize_ops
 
     def hf_ops() -> dict[str, list[float]]:  # every op hf_longctx counts (all_to_all, ring_p2p, ...)
         ops = hf_stats.ops.items() if hf_stats is not None else ()

@@ -1,4 +1,5 @@
-"""The results writer every benchmark shares: markdown tables, the JSON + markdown pair, line and bar plots."""
+"""The results writer every benchmark shares: columns and markdown tables, one page (`page`), the JSON + markdown
+pair (`write`), line and bar plots."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ def seq(s: int) -> str:
     return f"{s // 1024}K" if s % 1024 == 0 else str(s)
 
 
+def col(header: str, key: str, spec: str = ".2f", scale: float = 1.0) -> Column:
+    """A column showing `row[key]` (n/a when missing or None)."""
+    return header, lambda r: fmt(r.get(key), spec, scale)
+
+
+def target(value: float | None, limit: float, at_least: bool = False) -> str:
+    """A ratio against its target: "<= 0.55: reached" (or "NOT reached", "not measured")."""
+    sign = ">=" if at_least else "<="
+    if value is None:
+        return f"{sign} {limit}: not measured"
+    return f"{sign} {limit}: " + ("reached" if (value >= limit if at_least else value <= limit) else "NOT reached")
+
+
 def table(columns: Sequence[Column], rows: Sequence[dict[str, Any]], align: str = "---:") -> list[str]:
     out = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + f"{align}|" * len(columns)]
     return out + ["| " + " | ".join(fn(r) for _, fn in columns) + " |" for r in rows]
@@ -34,6 +48,13 @@ def run_line(meta: dict[str, Any]) -> str:
         f"total {fmt(meta.get('total_wall_s'), '.0f')} s; load average {meta.get('load_start', '?')} at the start, "
         f"{meta.get('load_end', '?')} at the end ({meta.get('cpus', '?')} CPUs)."
     )
+
+
+def page(title: str, meta: dict[str, Any] | None, *blocks: str | Sequence[str]) -> str:
+    """A results page: the title, the run line of `meta` (when given), each block (text or lines), failed runs."""
+    failed = [["Failed runs:", *[f"- {f}" for f in meta["failures"]]]] if meta and meta.get("failures") else []
+    parts = [f"# {title}", *([run_line(meta)] if meta else [])]
+    return "\n\n".join(parts + [b if isinstance(b, str) else "\n".join(b) for b in [*blocks, *failed]]) + "\n"
 
 
 def write(prefix: str | Path, data: dict[str, Any], markdown: str, plots: Sequence[str] = ()) -> str:

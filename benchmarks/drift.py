@@ -1,26 +1,14 @@
 """A long SP run that must not drift: resident memory, threads, process groups and step time per step.
 
     python -m benchmarks.drift                  # 300 optimizer steps at SP=2 on 2 CPU processes (~2-4 min here)
-    python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look
+    python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look: /tmp/drift.{json,md,png}
     python -m benchmarks.drift --from-json benchmarks/results/<date>-drift.json   # re-render table and plot
 
-One `benchmarks._harness` job of SP ranks (`benchmarks.worker.run`) trains the default tiny
-Llama (2 layers, GPT-2 vocabulary) with the stock Trainer and Ulysses SP on short Shakespeare windows (256
-tokens, batch 1, AdamW; 100 windows, so 300 steps cross two epoch boundaries), logging every step; the
-worker's step recorder (`benchmarks._measure`) samples on every rank, at the end of every optimizer step, the
-resident set size (`/proc/self/statm`), the number of OS threads (`/proc/self/status`), the number of live
-process groups and the step's wall time. The parent writes
-`benchmarks/results/<date>-drift.{json,md,png}`; `summarize` holds the verdicts:
-
-- memory: the first vs the last window of (up to) 50 measured steps after the warm-up; the growth of the
-  floor (the lowest RSS, what a leak raises) must be <= 1%; the median's and the peak's are reported;
-- threads and process groups: a single value on every rank after the warm-up (groups: from the first step);
-- step time: median of the second half of the measured steps vs the first half (and a least-squares slope).
+`summarize` holds the verdicts; the run and the verdicts are described in benchmarks/README.md ("Drift").
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import statistics
@@ -29,9 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _results
+from benchmarks import _harness, _results
 
-RESULTS = _results.RESULTS
 RSS_GROWTH_LIMIT = 0.01
 
 
@@ -51,29 +38,20 @@ def summarize(per_rank: list[list[dict[str, float]]], warmup: int) -> dict[str, 
         times = [s["step_s"] for s in after]
         half = len(times) // 2
         t_first, t_second = statistics.median(times[:half]), statistics.median(times[half:])
-        out["ranks"].append(
-            {
-                "window": window,
-                "rss_first_mib": statistics.median(first),
-                "rss_last_mib": statistics.median(last),
-                "rss_growth": statistics.median(last) / statistics.median(first) - 1,
-                "rss_floor_growth": min(last) / min(first) - 1,
-                "rss_peak_growth": max(last) / max(first) - 1,
-                "rss_slope_mib_per_100": 100 * _slope([s["step"] for s in after], [s["rss_mib"] for s in after]),
-                "threads": sorted({s["threads"] for s in after}),
-                "groups": sorted({s["groups"] for s in samples}),
-                "step_s_first_half": t_first,
-                "step_s_second_half": t_second,
-                "step_time_ratio": t_second / t_first,
-                "step_s_slope_per_100": 100 * _slope([s["step"] for s in after], times),
-            }
-        )
+        rss_first, rss_last, step = statistics.median(first), statistics.median(last), [s["step"] for s in after]
+        out["ranks"].append({
+            "window": window, "rss_first_mib": rss_first, "rss_last_mib": rss_last,
+            "rss_growth": rss_last / rss_first - 1, "rss_floor_growth": min(last) / min(first) - 1,
+            "rss_peak_growth": max(last) / max(first) - 1,
+            "rss_slope_mib_per_100": 100 * _slope(step, [s["rss_mib"] for s in after]),
+            "threads": sorted({s["threads"] for s in after}), "groups": sorted({s["groups"] for s in samples}),
+            "step_s_first_half": t_first, "step_s_second_half": t_second, "step_time_ratio": t_second / t_first,
+            "step_s_slope_per_100": 100 * _slope(step, times),
+        })  # fmt: skip
     ranks = out["ranks"]
-    out["ok"] = {
-        "memory": all(r["rss_floor_growth"] <= RSS_GROWTH_LIMIT for r in ranks),
-        "threads": all(len(r["threads"]) == 1 for r in ranks),
-        "groups": all(len(r["groups"]) == 1 for r in ranks),
-    }
+    out["ok"] = {"memory": all(r["rss_floor_growth"] <= RSS_GROWTH_LIMIT for r in ranks),
+                 "threads": all(len(r["threads"]) == 1 for r in ranks),
+                 "groups": all(len(r["groups"]) == 1 for r in ranks)}  # fmt: skip
     return out
 
 
@@ -96,25 +74,19 @@ COLUMNS: list[_results.Column] = [
 
 
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
-    window = summary["ranks"][0]["window"]
-    lines = [
-        f"# Drift: {summary['steps']} optimizer steps at SP={meta['sp']} ({meta['date']})",
-        "",
+    window, ok = summary["ranks"][0]["window"], summary["ok"]
+    setup = (
         f"`{meta['command']}`: tiny Llama ({meta['layers']} layers, GPT-2 vocabulary), {meta['seq_len']}-token "
         f"windows ({meta.get('windows', 100)} of them: an epoch is as many steps), batch 1, AdamW, Trainer + Ulysses "
         f"SP={meta['sp']} on {meta['sp']} CPU processes (gloo, one thread each). Warm-up: the first "
         f"{summary['warmup']} steps; memory compares the first and the last {window} measured steps. Wall time "
-        f"{meta['wall_s']:.0f} s (a shared 2-core machine: step times are noisy).",
-        "",
-    ]
-    lines += _results.table(COLUMNS, [dict(r, rank=i) for i, r in enumerate(summary["ranks"])], align=" --- ")
-    ok = summary["ok"]
-    lines += [
-        "",
-        f"Verdicts: memory floor growth <= {100 * RSS_GROWTH_LIMIT:g}%: **{ok['memory']}**; constant "
-        f"threads: **{ok['threads']}**; constant process groups: **{ok['groups']}**.",
-    ]
-    return "\n".join(lines)
+        f"{meta['wall_s']:.0f} s (a shared 2-core machine: step times are noisy)."
+    )
+    verdicts = (f"Verdicts: memory floor growth <= {100 * RSS_GROWTH_LIMIT:g}%: **{ok['memory']}**; constant "
+                f"threads: **{ok['threads']}**; constant process groups: **{ok['groups']}**.")  # fmt: skip
+    table = _results.table(COLUMNS, [dict(r, rank=i) for i, r in enumerate(summary["ranks"])], align=" --- ")
+    return _results.page(f"Drift: {summary['steps']} optimizer steps at SP={meta['sp']} ({meta['date']})", None,
+                         setup, table, verdicts)  # fmt: skip
 
 
 def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> None:
@@ -137,41 +109,35 @@ def plot(per_rank: list[list[dict[str, float]]], warmup: int, path: Path) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--sp", type=int, default=2)
+    parser = _harness.options(__doc__, "drift", timeout=1800)
+    for flag, default in (("--steps", 300), ("--warmup", 50), ("--seq-len", 256), ("--sp", 2)):
+        parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--windows", type=int, default=100, help="windows in the data: an epoch is this many steps")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--from-json", type=Path, help="re-render the table and plot from a saved run")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
-        return write_results(saved["samples"], saved["meta"], args.warmup, args.from_json.parent)
-
-    from benchmarks import _harness
-
-    date = datetime.date.today().isoformat()
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        return write_results(
+            saved["samples"], saved["meta"], args.warmup, args.out or str(args.from_json.with_suffix(""))
+        )
+    spec = {"impl": "hf_longctx", "engine": "ddp", "sp": args.sp, "steps": args.steps, "seq_len": args.seq_len,
+            "data": "shakespeare", "windows": args.windows, "lr": 1e-3, "log": True, "threads": 1}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-drift-") as tmp:
-        spec = {"impl": "hf_longctx", "engine": "ddp", "sp": args.sp, "steps": args.steps, "seq_len": args.seq_len,
-                "data": "shakespeare", "windows": args.windows, "lr": 1e-3, "log": True, "threads": 1}  # fmt: skip
-        record = _harness.job("benchmarks.worker:run", args.sp, max(1800, 10 * args.steps), Path(tmp), "drift",
-                              env=env, spec=spec)  # fmt: skip
+        timeout = max(args.timeout, 10 * args.steps)
+        record = _harness.job(
+            "benchmarks.worker:run", args.sp, timeout, Path(tmp), "drift", env=_harness.THREAD_ENV, spec=spec
+        )
     if record["status"] != "ok":
         raise SystemExit(f"drift job {record['status']}: {record['error']}")
-    per_rank, wall = [r["steps"] for r in record["result"]["ranks"]], record["wall_s"]
     command = "python -m benchmarks.drift" + ("" if args.steps == 300 else f" --steps {args.steps}")
-    meta = {"date": date, "sp": args.sp, "seq_len": args.seq_len, "layers": 2, "wall_s": wall, "command": command,
-            "windows": args.windows}  # fmt: skip
-    return write_results(per_rank, meta, args.warmup, args.out)
+    meta = {"date": datetime.date.today().isoformat(), "sp": args.sp, "seq_len": args.seq_len, "layers": 2,
+            "wall_s": record["wall_s"], "command": command, "windows": args.windows}  # fmt: skip
+    return write_results([r["steps"] for r in record["result"]["ranks"]], meta, args.warmup, _harness.out(args))
 
 
-def write_results(per_rank: list[list[dict[str, float]]], meta: dict[str, Any], warmup: int, out: Path) -> int:
-    """Write `<date>-drift.{json,md,png}` into `out`, print the table; 0 if every verdict holds."""
+def write_results(per_rank: list[list[dict[str, float]]], meta: dict[str, Any], warmup: int, prefix: str) -> int:
+    """Write `<prefix>.{json,md,png}`, print the table; 0 if every verdict holds."""
     summary = summarize(per_rank, warmup)
-    prefix = out / f"{meta['date']}-drift"
     plot(per_rank, warmup, Path(f"{prefix}.png"))
     data = {"meta": meta, "summary": summary, "samples": per_rank}
     _results.write(prefix, data, markdown(summary, meta), [f"{prefix}.png"])

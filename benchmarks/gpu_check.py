@@ -3,20 +3,7 @@
     python -m benchmarks.gpu_check                 # on a CUDA machine (scripts/gpu_check.sh runs it)
     python -m benchmarks.gpu_check --cpu-dry-run   # the same code on CPU (flash stand-in, flex forward only)
 
-Each cell trains one step of a tiny random-init Llama on one packed row of three documents through
-hf_longctx and compares the loss and every parameter's gradient with the fp32 reference: the plain
-model run document by document (no hf_longctx), on the same device. bf16 cannot match fp32, so a bf16
-cell passes when its error is within 2x (+1e-6) of the plain bf16 model's own error against that
-reference, the way the kernels themselves are judged; fp32 cells must be within 1e-4 (loss) and 1e-3
-(gradients). A leak control runs the plain model on the whole packed row with only a causal mask: its
-error must be far larger, or the comparison could not see documents attending to each other.
-SP=2 runs as a two-rank `benchmarks._harness` job on the one GPU over gloo (NCCL refuses two ranks on one
-device); hf_longctx moves tensors to the host for gloo collectives (`comm.group_device`). Prints a table;
-writes `benchmarks/results/<date>-gpu-check.{json,md}`.
-
-The verdict (`verdict`): a SKIP is not a pass. Only a skip marked expected counts as one: flex_attention's
-backward and flash-attn on CPU (`--cpu-dry-run`) and a kernel named with `--expect-skip`. A flash row on
-CUDA refuses to run (ERROR) unless transformers resolves "flash_attention_2" to the flash_attn package.
+`matrix` runs the cells, `verdict` judges them (a SKIP is not a pass); method and tolerances: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -33,6 +20,7 @@ from typing import Any
 
 import torch
 
+import hf_longctx
 from benchmarks import _results
 from benchmarks._results import RESULTS
 
@@ -60,19 +48,12 @@ def _batch(device: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids.to(device), "labels": ids.clone().to(device), "position_ids": pos.to(device)}
 
 
-def _loss(logits: torch.Tensor, shift_labels: torch.Tensor, groups: Any) -> torch.Tensor:
-    import hf_longctx
-
-    return hf_longctx.sequence_parallel_loss(logits, shift_labels, groups)
-
-
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def plain_step(attn: str, dtype: torch.dtype, device: str, per_document: bool) -> tuple[float, dict]:
     """The model without hf_longctx: each document alone (`per_document`) or the whole row, causal only."""
-    import hf_longctx
     from hf_longctx.data.sharding import shard_batch_for_rank
 
     model = _model(attn, dtype, device)
@@ -85,14 +66,13 @@ def plain_step(attn: str, dtype: torch.dtype, device: str, per_document: bool) -
         )
     else:
         logits = model(input_ids=ids).logits
-    loss = _loss(logits.float(), shift_labels, hf_longctx.SequenceParallelGroups.single())
+    loss = hf_longctx.sequence_parallel_loss(logits.float(), shift_labels, hf_longctx.SequenceParallelGroups.single())
     loss.backward()
     return loss.item(), _grads(model)
 
 
 def sp_step(rank: int, world_size: int, attn: str, dtype_name: str, device: str) -> dict[str, float]:
     """One step through hf_longctx at SP=world_size; its errors against the fp32 per-document reference."""
-    import hf_longctx
     from hf_longctx.distributed.comm import all_reduce_sum
 
     if device == "cuda" and attn == "flash_attention_2" and not flash_kernel_module().startswith("flash_attn"):
@@ -100,13 +80,13 @@ def sp_step(rank: int, world_size: int, attn: str, dtype_name: str, device: str)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 cells are compared at fp32 tolerances
     torch.backends.cudnn.allow_tf32 = False
     ref = plain_step("eager", torch.float32, device, per_document=True)
-    solo = hf_longctx.SequenceParallelGroups.single()
-    groups = hf_longctx.SequenceParallelGroups.build(world_size) if world_size > 1 else solo
+    sp_groups = hf_longctx.SequenceParallelGroups
+    groups = sp_groups.build(world_size) if world_size > 1 else sp_groups.single()
     model = _model(attn, getattr(torch, dtype_name), device)
     with hf_longctx.enable_sequence_parallel(model, groups):
         shard = hf_longctx.shard_batch(_batch(device), groups)
         shift_labels = shard.pop("shift_labels")
-        loss = _loss(model(**shard).logits.float(), shift_labels, groups)
+        loss = hf_longctx.sequence_parallel_loss(model(**shard).logits.float(), shift_labels, groups)
         loss.backward()
     grads = {n: all_reduce_sum(g, groups.sp_group) / world_size for n, g in _grads(model).items()}
     loss_err, grad_err = _errors(loss.item(), grads, ref)
@@ -140,7 +120,7 @@ def run_cell(attn: str, dtype: torch.dtype, sp: int, device: str, log_dir: Path)
     else:
         name = f"{attn}-{dtype_name}-sp{sp}"
         kwargs = {"attn": attn, "dtype_name": dtype_name, "device": device, "init_backend": "gloo"}
-        env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}  # one thread per rank: 2 ranks may share a box
+        env = _harness.THREAD_ENV  # one thread per rank: 2 ranks may share a box
         record = _harness.job("benchmarks.gpu_check:sp_step", sp, 300, log_dir, name, env=env, **kwargs)
         if record["status"] != "ok":
             raise RuntimeError(record["error"][-600:])
@@ -183,7 +163,7 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[bool, str]:
     skipped = sum(r["status"] == "SKIP" and bool(r.get("expected")) for r in rows)
     cells = ", ".join(f"{r['kernel']} {r['dtype']} SP={r['sp']} {r['status']}" for r in bad)
     line = f"{passed} PASS, {skipped} expected SKIP, {len(bad)} failed of {len(rows)} cells" + (
-        f": {cells}" if bad else ""
+        f": {cells}" * bool(bad)
     )
     return not bad, f"gpu_check: {'PASS' if not bad else 'FAIL'}: {line}"
 

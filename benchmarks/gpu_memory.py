@@ -2,29 +2,14 @@
 flags and DeepSpeed ZeRO-3 offload (parameters and optimizer in host memory), through the stock Trainer.
 
     python -m benchmarks.gpu_memory                      # ladder 64K..2M (stops at the first failure) + tokens/s at 64K
-    python -m benchmarks.gpu_memory --lengths 65536,131072 --throughput-steps 3
     python -m benchmarks.gpu_memory --shape tiny         # the same code path on a tiny model (CPU smoke run)
 
-Without CUDA (and without `--shape tiny`) it prints one "no CUDA device" line and exits 0, so
-`scripts/gpu_check.sh` can always call it. Each length runs in its own `torchrun --nproc_per_node 1` job (an
-out-of-memory error ends that job only) with a timeout; the ladder stops at the first length that fails.
-Reported per length: ok/failed, seconds for one optimizer step, peak GPU memory (`max_memory_allocated`) and
-peak host memory (resident high-water mark); at `--throughput-length` the median tokens/s over
-`--throughput-steps` steps after one warm-up step. Results: a table on stdout and
-`benchmarks/results/<date>-gpu-memory.json`.
-
-The mark: ALST (Arctic Long Sequence Training, arXiv:2506.13996) reports 1.2M tokens for Llama-3.1-8B on one
-H200 with tiled loss, tiled MLP, activation-checkpoint offload and ZeRO-3 offload. Host memory bounds this run:
-the offloaded checkpoints take layers x S x hidden x 2 bytes (32 x 4096 x 2 = 256 KiB per token, 256 GiB at
-1M tokens) next to the offloaded bf16 weights and fp32 master weights / optimizer state. The default optimizer
-is therefore SGD (no state: 8B x 4 bytes of master weights instead of 8B x 12 with Adam); `--optim adamw_torch`
-needs about 100 GB more host memory.
+Method, output (`<date>-gpu-memory.{json,md}`, or `--out` / `--out-prefix`) and the ALST mark: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
 import statistics
@@ -32,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _results
+from benchmarks import _harness, _results
 
 K = 1024
 TINY = {"arch": "llama", "vocab": 1024, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2,
@@ -55,8 +40,6 @@ def worker_spec(args: argparse.Namespace, seq_len: int, steps: int, cuda: bool) 
 
 
 def launch(args: argparse.Namespace, seq_len: int, steps: int, out_dir: Path, cuda: bool) -> dict[str, Any]:
-    from benchmarks import _harness
-
     env = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
     spec = worker_spec(args, seq_len, steps, cuda)
     record = _harness.job("benchmarks.worker:run", 1, args.timeout, out_dir, f"s{seq_len}_n{steps}", env=env, spec=spec)
@@ -79,15 +62,14 @@ COLUMNS: list[_results.Column] = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.options(__doc__, "gpu-memory", timeout=1200)
+    parser.add_argument("--out-prefix", dest="out", help="the same as --out")
     parser.add_argument("--shape", choices=SHAPES, default="llama-8b")
     parser.add_argument("--lengths", default=",".join(str(n * K) for n in (64, 128, 256, 512, 768, 1024, 1536, 2048)))
     parser.add_argument("--throughput-length", type=int, default=64 * K)
     parser.add_argument("--throughput-steps", type=int, default=3)
     parser.add_argument("--optim", default="sgd")
     parser.add_argument("--attn", default=None, help="default: flash_attention_2 when installed, else sdpa")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per job")
-    parser.add_argument("--out-prefix", default=None)
     args = parser.parse_args(argv)
 
     import torch
@@ -97,29 +79,22 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_CUDA)
         return 0
     out_dir = Path(tempfile.mkdtemp(prefix="hf_longctx_gpu_memory_"))
-    records = []
     throughput = launch(args, args.throughput_length, 1 + args.throughput_steps, out_dir, cuda)
-    records.append(dict(throughput, kind="throughput"))
+    records = [dict(throughput, kind="throughput")]
     for seq_len in (int(x) for x in args.lengths.split(",")):
-        record = launch(args, seq_len, 1, out_dir, cuda)
-        records.append(dict(record, kind="ladder"))
-        print(f"S={seq_len}: {record['status']} ({record['wall_s']:.0f} s)", flush=True)
-        if record["status"] != "ok":
+        records.append(dict(launch(args, seq_len, 1, out_dir, cuda), kind="ladder"))
+        print(f"S={seq_len}: {records[-1]['status']} ({records[-1]['wall_s']:.0f} s)", flush=True)
+        if records[-1]["status"] != "ok":
             break
     longest = max([r["seq_len"] for r in records if r["kind"] == "ladder" and r["status"] == "ok"], default=None)
     tokens_per_s = None
     if throughput["status"] == "ok" and len(throughput["steps"]) > 1:
         tokens_per_s = args.throughput_length / statistics.median(throughput["steps"][1:])
-    head = (
-        f"# GPU memory ladder: {args.shape} shape, one GPU, flags {sorted(FLAGS)}, ZeRO-3 offload, optim {args.optim}"
-    )
+    title = f"GPU memory ladder: {args.shape} shape, one GPU, flags {sorted(FLAGS)}, ZeRO-3 offload, optim {args.optim}"
     tail = [f"Longest sequence for one optimizer step: {longest} tokens (ALST on one H200: 1.2M).",
             f"Tokens/s at {args.throughput_length}: {tokens_per_s and round(tokens_per_s, 1)}."]  # fmt: skip
-    md = "\n".join([head, "", *_results.table(COLUMNS, records), "", *tail]) + "\n"
-    prefix = args.out_prefix or _results.RESULTS / f"{datetime.date.today().isoformat()}-gpu-memory"
-    _results.write(
-        prefix, {"longest": longest, "tokens_per_s": tokens_per_s, "args": vars(args), "records": records}, md
-    )
+    data = {"longest": longest, "tokens_per_s": tokens_per_s, "args": vars(args), "records": records}
+    _results.write(_harness.out(args), data, _results.page(title, None, _results.table(COLUMNS, records), tail))
     return 0
 
 

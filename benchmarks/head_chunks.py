@@ -1,29 +1,20 @@
 """Memory of one Ulysses attention call with and without head chunks (`ulysses_head_chunks`), CPU, SP=2.
 
-    python -m benchmarks.head_chunks [--seq 8192] [--heads 16] [--kv-heads 8] [--head-dim 64] [--chunks 1,2,4]
+    python -m benchmarks.head_chunks [--seq 8192] [--heads 16] [--kv-heads 8] [--head-dim 64] [--chunks 1,2,4] [--out P]
 
-Each rank calls the attention `enable_sequence_parallel` installs (Ulysses, or `head_chunked_attention`) on
-sequence-sharded q/k/v of one model layer (sdpa, fp32, one document) and runs its backward. A dispatch mode
-counts the bytes of every tensor storage from its creation until autograd frees it, from the sequence-sharded
-q/k/v on (made just before the call and referenced by nothing but it, as RoPE's outputs in a model): the
-peak in forward, what stays alive after it (what autograd saves for backward, plus the output), and the
-peak in backward (the output's gradient, not counted, aside; the q/k/v gradients it returns included).
-Also printed: the bytes of one full-sequence q/k/v/o set a rank holds at a time (`heads / (sp * chunks)`
-heads), the buffers the chunks shrink. Results go to `benchmarks/results/<date>-head-chunks.{json,md}`.
+`measure` is one rank's call, counted by `live_bytes_mode`; what is counted: benchmarks/README.md ("Head chunks").
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import weakref
-from pathlib import Path
 from typing import Any
 
 from benchmarks import _harness as H
 from benchmarks import _results as R
 
 TARGET = "benchmarks.head_chunks:measure"
+PHASES = {"forward_peak": "forward peak", "retained": "kept for backward", "backward_peak": "backward peak"}
 
 
 def live_bytes_mode():
@@ -80,10 +71,10 @@ def measure(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
     handle = hf_longctx.enable_sequence_parallel(model, groups, ulysses_head_chunks=chunks)
     attention = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[handle.key]
     module = model.model.layers[0].self_attn
-    local = seq // world
-    gen = torch.Generator().manual_seed(rank)
-    shapes = [(1, n, local, head_dim) for n in (heads, kv_heads, kv_heads)]
-    leaves = [torch.randn(shape, generator=gen, requires_grad=True) for shape in shapes]
+    local, gen = seq // world, torch.Generator().manual_seed(rank)
+    leaves = [
+        torch.randn(1, n, local, head_dim, generator=gen, requires_grad=True) for n in (heads, kv_heads, kv_heads)
+    ]
     grad = torch.randn(1, local, heads, head_dim, generator=gen)
     context = SequenceContext(torch.arange(seq).unsqueeze(0))
     kwargs = {"dropout": 0.0, "scaling": head_dim**-0.5, CONTEXT_KWARG: context}
@@ -99,79 +90,48 @@ def measure(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
         out.backward(grad)
         backward_peak = mode.peak
     handle.remove()
+    # One chunk's q, k, v and output over the full sequence (fp32): the buffers head chunks shrink.
     layout = head_layout(heads, kv_heads, world)
-    element = 4  # fp32
-    # One chunk's q, k, v and output over the full sequence: the buffers head chunks shrink.
-    buffers = element * seq * head_dim * (2 * layout.q_local + 2 * layout.kv_local) // chunks
-    return {
-        "forward_peak": forward_peak,
-        "retained": retained,
-        "backward_peak": backward_peak,
-        "output": out.nbytes,
-        "input_grads": sum(t.grad.nbytes for t in leaves),
-        "full_sequence_qkvo": buffers,
-        "inputs": inputs,
-    }
+    buffers = 4 * seq * head_dim * (2 * layout.q_local + 2 * layout.kv_local) // chunks
+    return {"forward_peak": forward_peak, "retained": retained, "backward_peak": backward_peak, "inputs": inputs,
+            "output": out.nbytes, "input_grads": sum(t.grad.nbytes for t in leaves),
+            "full_sequence_qkvo": buffers}  # fmt: skip
 
 
-def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, Any]) -> str:
-    mib = lambda key: lambda r: R.fmt(r.get(key), ".1f", R.MiB)  # noqa: E731
-    base = rows[0]
-    ratio = lambda key: lambda r: R.fmt(H.ratio(r.get(key), base.get(key)), ".2f")  # noqa: E731
-    columns = [
-        ("chunks", lambda r: str(r["chunks"])),
-        ("full-seq q/k/v/o per chunk MiB", mib("full_sequence_qkvo")),
-        ("forward peak MiB", mib("forward_peak")),
-        ("x", ratio("forward_peak")),
-        ("kept for backward MiB", mib("retained")),
-        ("x", ratio("retained")),
-        ("backward peak MiB", mib("backward_peak")),
-        ("x", ratio("backward_peak")),
-    ]
-    lines = [
-        "# Head-chunked Ulysses: memory of one attention call (CPU, SP=2)",
-        "",
-        R.run_line(meta),
-        "",
+def describe(shape: dict[str, Any], base: dict[str, Any]) -> str:
+    """The page's text: the call measured and what the bytes count (`base`: the chunks = 1 row)."""
+    mib = lambda key: R.fmt(base[key], ".1f", R.MiB)  # noqa: E731
+    return (
         f"One Llama attention call, {shape['heads']} query / {shape['kv_heads']} key-value heads of dim "
         f"{shape['head_dim']}, {R.seq(shape['seq'])} tokens (one document) over 2 ranks, sdpa, fp32. Bytes of the "
         "tensors the call creates (a dispatch mode counts each storage from its creation until autograd frees it): "
         "the forward's peak, what stays alive for backward (saved tensors + the output), and the backward's peak "
-        f"(including the q/k/v gradients it returns, {R.fmt(base['input_grads'], '.1f', R.MiB)} MiB), counted "
-        f"from the sequence-sharded q/k/v on ({R.fmt(base['inputs'], '.1f', R.MiB)} MiB, made for the call and "
-        f"held by it alone); the output is {R.fmt(base['output'], '.1f', R.MiB)} MiB. Worst rank; x = ratio to "
-        "chunks = 1.",
-        "",
-        *R.table(columns, rows),
-        "",
-    ]
-    return "\n".join(lines)
+        f"(including the q/k/v gradients it returns, {mib('input_grads')} MiB), counted from the sequence-sharded "
+        f"q/k/v on ({mib('inputs')} MiB, made for the call and held by it alone); the output is {mib('output')} "
+        "MiB. Worst rank; x = ratio to chunks = 1."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser = H.options(__doc__, "head-chunks", timeout=600, repeats=1)
+    for flag, default in (("--seq", 8192), ("--heads", 16), ("--kv-heads", 8), ("--head-dim", 64)):
+        parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--chunks", default="1,2,4")
-    parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args(argv)
     shape = {"seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
-    session = H.Session("python -m benchmarks.head_chunks", argv, Path("/tmp/hf_longctx_head_chunks"))
-    rows = []
-    for chunks in (int(c) for c in args.chunks.split(",")):
-        record = session.run(
-            {**shape, "chunks": chunks}, f"chunks={chunks}", TARGET, 2, args.timeout,
-            env=H.MALLOC_ENV, init_backend="gloo", **shape, chunks=chunks,
-        )  # fmt: skip
-        if record["status"] == "ok":
-            ranks = record["result"]["ranks"]
-            rows.append({"chunks": chunks, **{key: max(r[key] for r in ranks) for key in ranks[0]}})
-    meta = session.finish(lambda r: f"chunks={r['spec']['chunks']}")
-    prefix = R.RESULTS / f"{datetime.date.today().isoformat()}-head-chunks"
-    R.write(prefix, {"meta": meta, "shape": shape, "rows": rows}, markdown(meta, rows, shape) if rows else "no runs\n")
-    return 0 if rows and not meta["failures"] else 1
+
+    def launch(seq: int, variant: str) -> dict[str, Any]:
+        chunks = int(variant.removeprefix("chunks="))
+        return {"target": TARGET, "nproc": 2, "env": H.MALLOC_ENV, "init_backend": "gloo", **shape, "chunks": chunks}
+
+    columns = [R.col("full-seq q/k/v/o per chunk MiB", "full_sequence_qkvo", ".1f", R.MiB)]
+    for key, title in PHASES.items():
+        columns += [R.col(f"{title} MiB", key, ".1f", R.MiB), R.col("x", f"x_{key}")]
+    return H.compare(
+        args, argv, [args.seq], [f"chunks={c}" for c in args.chunks.split(",")], launch,
+        lambda r: {k: H.worst(r, k) for k in r["result"]["ranks"][0]}, columns,
+        "Head-chunked Ulysses: memory of one attention call (CPU, SP=2)", lambda rows: describe(shape, rows[0]),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,21 +3,23 @@
     torchrun --standalone --nproc_per_node 2 -m benchmarks.overhead [--seq-len 4096] [--steps 12]
 
 Off and on alternate step by step in one process (same model, same batch), so machine drift cancels;
-prints the median step time of each and their ratio, and writes benchmarks/results/<date>-overhead.md.
+prints the median step time of each and their ratio, and appends them to benchmarks/results/<date>-overhead.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import hf_longctx
+from benchmarks._results import RESULTS
 from benchmarks.worker import build_model
 from hf_longctx.instrument import record_collectives
 
@@ -26,7 +28,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=12, help="measured steps per mode")
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument(
+        "--out", help="results prefix: appends to <out>.md (default benchmarks/results/<date>-overhead)"
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -57,10 +61,7 @@ def main() -> None:
             step()  # warm-up
         for i in range(2 * args.steps):
             mode = ("off", "on")[i % 2] if (i // 2) % 2 == 0 else ("on", "off")[i % 2]  # ABBA order
-            if mode == "on":
-                with record_collectives():
-                    times[mode].append(step())
-            else:
+            with record_collectives() if mode == "on" else contextlib.nullcontext():
                 times[mode].append(step())
     worst = {m: torch.tensor(t) for m, t in times.items()}
     for m in worst:  # the slowest rank decides a step
@@ -74,13 +75,11 @@ def main() -> None:
             f"{args.steps} steps each, alternating ABBA"
         )
         print(line)
-        os.makedirs(args.out_dir, exist_ok=True)
-        path = os.path.join(args.out_dir, f"{datetime.date.today().isoformat()}-overhead.md")
-        with open(path, "a") as f:
-            f.write(
-                f"- `torchrun --standalone --nproc_per_node {dist.get_world_size()} -m benchmarks.overhead "
-                f"--seq-len {args.seq_len} --steps {args.steps}`: {line}\n"
-            )
+        path = Path(f"{args.out or RESULTS / f'{datetime.date.today().isoformat()}-overhead'}.md")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        command = f"torchrun --standalone --nproc_per_node {dist.get_world_size()} -m benchmarks.overhead"
+        with path.open("a") as f:
+            f.write(f"- `{command} --seq-len {args.seq_len} --steps {args.steps}`: {line}\n")
     dist.destroy_process_group()
 
 

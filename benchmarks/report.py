@@ -1,25 +1,18 @@
-"""Pure functions of the benchmark: theory bytes, medians per run and per cell, ratios, markdown, plots.
-
-Nothing here launches a process; `tests/unit/test_bench_report.py` tests it directly.
-
-Aggregation (documented in benchmarks/README.md):
-
-- one run (one torchrun job) -> `run_summary`: per measured step the slowest rank's step time, median over
-  the measured steps; memory and communication per rank as the median over measured steps, then the worst
-  (max) rank for memory and time, the mean over ranks for bytes;
-- one cell (impl, sp, seq_len) -> `cell_rows`: the median over repeats of each run-level number, and the
-  ratios hf_longctx / upstream, measured bytes / theory, activation memory at SP=P / SP=1.
+"""Pure functions of the A/B benchmark (`benchmarks.run`): theory bytes, `run_summary` (one run), `cell_rows` (one
+(impl, SP, S) cell: medians over repeats and ratios hf_longctx / upstream, bytes / theory, activation memory /
+SP=1), `render_markdown`, `headline` and `plot`. How ranks and repeats are combined: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks import _results
 from benchmarks._harness import median, ratio, slowest_rank_median
-from benchmarks._results import Column, MiB
+from benchmarks._measure import OP_CATEGORIES
+from benchmarks._results import Column, MiB, col
 from benchmarks._results import fmt as _fmt
 from benchmarks._results import seq as _seq
 from benchmarks._results import table as _table
@@ -32,65 +25,15 @@ ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 METRICS = ("step_s", "iter_s", "act_bytes", "mem_before", "process_peak_bytes", "a2a_bytes", "a2a_calls", "a2a_s",
            "a2a_s_min", "a2a_s_max", "hf_a2a_bytes", "other_comm_bytes", "other_comm_s", "ops_attention_s",
            "ops_matmul_s", "ops_communication_s", "ops_other_s", "ops_total_s")  # fmt: skip
-OP_CATEGORIES = ("attention", "matmul", "communication", "other")
-# Kernel ops both implementations run on identical shapes (the model's own math).
-_ATTENTION_OPS = ("scaleddotproduct", "flashattention", "flashattn", "efficientattention", "flexattention")
-_MATMUL_OPS = frozenset(("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addmv", "aten::mv"))
-_COMM_OPS = ("c10d::", "alltoall", "allgather", "allreduce", "reducescatter", "broadcast")
 
 
-def theory_bytes_per_step(
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    layers: int,
-    seq_len: int,
-    sp: int,
-    elem_bytes: int,
-    recompute: bool = False,
-) -> float:
+def theory_bytes_per_step(heads: int, kv_heads: int, head_dim: int, layers: int, seq_len: int, sp: int,
+                          elem_bytes: int, recompute: bool = False) -> float:  # fmt: skip
     """Ulysses minimum bytes one rank sends per training step: every layer's forward (q, k, v in, output
     back: `(2*H*d + 2*H_kv*d) * (S/P) * (P-1)/P * bytes`) and its backward (the same volume again); with
     activation checkpointing (`recompute`) the forward exchange runs a second time in the backward."""
     passes = 3 if recompute else 2
     return passes * layers * ulysses_min_bytes(heads, kv_heads, head_dim, seq_len, sp, elem_bytes)
-
-
-def op_category(name: str) -> str | None:
-    """ "attention", "matmul" or "communication" for a profiler op or autograd node name, else None.
-
-    Names are matched without case and underscores, so forward ops and their autograd nodes agree
-    (`aten::_scaled_dot_product_flash_attention_for_cpu`, `ScaledDotProductFlashAttentionForCpuBackward0`,
-    `_AllToAll`, `deepspeed::dim_zero_all_to_all`, `c10d::alltoall_base_`).
-    """
-    if name in _MATMUL_OPS:
-        return "matmul"
-    key = name.lower().replace("_", "")
-    if any(op in key for op in _ATTENTION_OPS):
-        return "attention"
-    if any(op in key for op in _COMM_OPS):
-        return "communication"
-    return None
-
-
-def categorize_ops(events: Iterable[tuple[float, Sequence[str]]]) -> dict[str, float]:
-    """Split profiled self time into `OP_CATEGORIES`.
-
-    Args:
-        events: per profiler event its self time (s) and the names of the event and its ancestors,
-            innermost first. An event counts for the innermost classified name of its chain, so the
-            layout copies inside an all-to-all count as communication and a `mm` as matmul wherever it
-            runs; time outside any classified op (elementwise, loss, optimizer, framework) is "other".
-
-    Returns:
-        Seconds per category plus "total" (the categories partition it: self times do not overlap).
-    """
-    out = dict.fromkeys(OP_CATEGORIES, 0.0)
-    for self_s, chain in events:
-        category = next((c for c in map(op_category, chain) if c is not None), "other")
-        out[category] += self_s
-    out["total"] = sum(out[c] for c in OP_CATEGORIES)
-    return out
 
 
 def run_summary(result: dict[str, Any], warmup: int) -> dict[str, float | None]:
@@ -140,41 +83,26 @@ def cell_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     Each run is `{"spec": {...}, "status": "ok", "summary": run_summary(...)}`; SP=1 baselines
     (`impl == "none"`) are attached to every cell with the same sequence length (and model).
     """
-    ok = [r for r in runs if r.get("status") == "ok" and r.get("summary")]
     by_key: dict[tuple, dict[str, list[dict]]] = {}
-    baselines: dict[tuple, list[dict]] = {}
-    for r in ok:
-        spec = r["spec"]
-        model_name = spec["model"].get("name", "")
-        if spec["impl"] == BASELINE:
-            baselines.setdefault((model_name, spec["seq_len"]), []).append(r["summary"])
-            continue
-        by_key.setdefault((model_name, spec["sp"], spec["seq_len"]), {}).setdefault(spec["impl"], []).append(r)
-
-    def med(summaries: list[dict]) -> dict[str, float | None]:
-        return {m: median(s.get(m) for s in summaries) for m in METRICS}
+    for r in runs:
+        if r.get("status") == "ok" and r.get("summary") and r["spec"]["impl"] != BASELINE:
+            spec = r["spec"]
+            key = (spec["model"].get("name", ""), spec["sp"], spec["seq_len"])
+            by_key.setdefault(key, {}).setdefault(spec["impl"], []).append(r)
+    baselines = {(b["model"], b["seq_len"]): b for b in baseline_rows(runs)}
 
     rows = []
     for (model_name, sp, seq_len), impls in sorted(by_key.items()):
         spec = next(iter(impls.values()))[0]["spec"]
         m = spec["model"]
-        theory = theory_bytes_per_step(
-            m["heads"],
-            m["kv_heads"],
-            m["head_dim"],
-            m["layers"],
-            seq_len,
-            sp,
-            ELEM_BYTES[spec["dtype"]],
-            recompute=bool(spec.get("gradient_checkpointing")),
-        )
+        theory = theory_bytes_per_step(m["heads"], m["kv_heads"], m["head_dim"], m["layers"], seq_len, sp,
+                                       ELEM_BYTES[spec["dtype"]], bool(spec.get("gradient_checkpointing")))  # fmt: skip
         row: dict[str, Any] = {"model": model_name, "sp": sp, "seq_len": seq_len, "theory_bytes": theory}
         for impl in IMPLS:
             runs_i = impls.get(impl, [])
-            row[impl] = med([r["summary"] for r in runs_i]) if runs_i else None
+            row[impl] = _medians([r["summary"] for r in runs_i]) if runs_i else None
             row[f"{impl}_repeats"] = len(runs_i)
-        base = baselines.get((model_name, seq_len))
-        row["sp1"] = med(base) if base else None
+        row["sp1"] = baselines.get((model_name, seq_len))
         hf, up, sp1 = row["hf_longctx"] or {}, row["upstream"] or {}, row["sp1"] or {}
         row["ratio"] = {m_: ratio(hf.get(m_), up.get(m_)) for m_ in METRICS}
         row["bytes_vs_theory"] = {impl: ratio((row[impl] or {}).get("a2a_bytes"), theory) for impl in IMPLS}
@@ -184,16 +112,17 @@ def cell_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _medians(summaries: list[dict]) -> dict[str, float | None]:
+    return {m: median(s.get(m) for s in summaries) for m in METRICS}
+
+
 def baseline_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median SP=1 numbers per (model, seq_len)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         if r.get("status") == "ok" and r["spec"]["impl"] == BASELINE:
             groups.setdefault((r["spec"]["model"].get("name", ""), r["spec"]["seq_len"]), []).append(r["summary"])
-    return [
-        {"model": k[0], "seq_len": k[1], "repeats": len(v), **{m: median(s.get(m) for s in v) for m in METRICS}}
-        for k, v in sorted(groups.items())
-    ]
+    return [{"model": k[0], "seq_len": k[1], "repeats": len(v), **_medians(v)} for k, v in sorted(groups.items())]
 
 
 # ---- rendering ------------------------------------------------------------------------------------
@@ -252,18 +181,15 @@ COMM_COLUMNS: list[Column] = CELL + [
 ]  # fmt: skip
 
 
-def _kernels(impl: str) -> Callable[[dict[str, Any]], float | None]:
-    def fn(r: dict[str, Any]) -> float | None:
-        a, m = _get(r, impl, "ops_attention_s"), _get(r, impl, "ops_matmul_s")
-        return None if a is None or m is None else a + m
-
-    return fn
+def _kernels(row: dict[str, Any], impl: str) -> float | None:
+    a, m = _get(row, impl, "ops_attention_s"), _get(row, impl, "ops_matmul_s")
+    return None if a is None or m is None else a + m
 
 
 def floor_ratio(row: dict[str, Any]) -> float | None:
     """The lowest hf_longctx / upstream step-time ratio possible if all of hf_longctx's time outside the
     attention kernel and matmuls vanished: both run those on identical shapes (profiled step)."""
-    return ratio(_kernels("hf_longctx")(row), _get(row, "upstream", "ops_total_s"))
+    return ratio(_kernels(row, "hf_longctx"), _get(row, "upstream", "ops_total_s"))
 
 
 def no_comm_ratio(row: dict[str, Any]) -> float | None:
@@ -272,27 +198,17 @@ def no_comm_ratio(row: dict[str, Any]) -> float | None:
     return None if total is None or comm is None else ratio(total - comm, _get(row, "upstream", "ops_total_s"))
 
 
-OPS_COLUMNS: list[Column] = (
-    CELL
-    + [
-        (f"{c} {tag}", _val(impl, f"ops_{c}_s", ".3f"))
-        for impl, tag in (("hf_longctx", "hf"), ("upstream", "up"))
-        for c in (*OP_CATEGORIES, "total")
-    ]
-    + [
-        ("attn+mm share up", lambda r: _fmt(ratio(_kernels("upstream")(r), _get(r, "upstream", "ops_total_s")), ".1%")),
-        ("profiled hf/up", lambda r: _fmt(r["ratio"]["ops_total_s"], ".3f")),
-        ("no-comm hf/up", lambda r: _fmt(no_comm_ratio(r), ".3f")),
-        ("floor hf/up", lambda r: _fmt(floor_ratio(r), ".3f")),
-    ]
-)
+OPS_COLUMNS: list[Column] = CELL + [
+    *[(f"{c} {tag}", _val(impl, f"ops_{c}_s", ".3f")) for impl, tag in zip(IMPLS, ("hf", "up"), strict=True)
+      for c in (*OP_CATEGORIES, "total")],
+    ("attn+mm share up", lambda r: _fmt(ratio(_kernels(r, "upstream"), _get(r, "upstream", "ops_total_s")), ".1%")),
+    ("profiled hf/up", lambda r: _fmt(r["ratio"]["ops_total_s"], ".3f")),
+    ("no-comm hf/up", lambda r: _fmt(no_comm_ratio(r), ".3f")), ("floor hf/up", lambda r: _fmt(floor_ratio(r), ".3f")),
+]  # fmt: skip
 BASELINE_COLUMNS: list[Column] = [
-    ("S", lambda b: _seq(b["seq_len"])),
-    ("step s", lambda b: _fmt(b["step_s"])),
-    ("act MiB", lambda b: _fmt(b["act_bytes"], ".0f", MiB)),
-    ("before-step MiB", lambda b: _fmt(b["mem_before"], ".0f", MiB)),
-    ("process peak MiB", lambda b: _fmt(b["process_peak_bytes"], ".0f", MiB)),
-]
+    ("S", lambda b: _seq(b["seq_len"])), col("step s", "step_s"), col("act MiB", "act_bytes", ".0f", MiB),
+    col("before-step MiB", "mem_before", ".0f", MiB), col("process peak MiB", "process_peak_bytes", ".0f", MiB),
+]  # fmt: skip
 SECTIONS = (
     ("Step time (s)", TIME_COLUMNS),
     ("Memory per rank (MiB)", MEMORY_COLUMNS),
@@ -332,35 +248,30 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], base: 
     for model in models:
         mrows = [r for r in rows if r["model"] == model]
         mbase = [b for b in base if b["model"] == model]
-        if len(models) > 1:
-            out += [f"## Model `{model}`", ""]
+        out += [f"## Model `{model}`", ""] if len(models) > 1 else []
         for title, columns in SECTIONS:
-            if columns is OPS_COLUMNS and not any(_get(r, i, "ops_total_s") for r in mrows for i in IMPLS):
-                continue  # no profiled step (GPU profile, or older results)
-            out += [f"### {title}", ""] + _table(columns, mrows) + [""]
-        if mbase:
-            out += ["### SP=1 baseline (one process, no SP)", ""] + _table(BASELINE_COLUMNS, mbase) + [""]
+            if columns is not OPS_COLUMNS or any(_get(r, i, "ops_total_s") for r in mrows for i in IMPLS):
+                out += [f"### {title}", ""] + _table(columns, mrows) + [""]  # (no profiled step on the GPU profile)
+        out += ["### SP=1 baseline (one process, no SP)", ""] + _table(BASELINE_COLUMNS, mbase) + [""] if mbase else []
     failed = meta.get("failures") or []
-    if failed:
-        out += ["### Failed runs", ""] + [f"- {f}" for f in failed] + [""]
-    return "\n".join(out)
+    return "\n".join(out + (["### Failed runs", ""] + [f"- {f}" for f in failed] + [""] if failed else []))
 
 
 def headline(rows: Sequence[dict[str, Any]], min_seq: int = 8192) -> dict[str, Any]:
     """The acceptance numbers: step-time ratio at S >= min_seq, worst bytes/theory per SP, act memory ratios."""
-    out: dict[str, Any] = {"step_ratio_long": {}, "step_ratio_floor_long": {}, "bytes_vs_theory_max": {}}
-    out["act_vs_sp1"] = {}
+    out: dict[str, Any] = {
+        k: {} for k in ("step_ratio_long", "step_ratio_floor_long", "bytes_vs_theory_max", "act_vs_sp1")
+    }
     for r in rows:
         key = f"{r['model']}/sp{r['sp']}" if r["model"] else f"sp{r['sp']}"
+        cell = f"{key}/S{_seq(r['seq_len'])}"
         if r["seq_len"] >= min_seq:
-            out["step_ratio_long"][f"{key}/S{_seq(r['seq_len'])}"] = r["ratio"]["step_s"]
-            out["step_ratio_floor_long"][f"{key}/S{_seq(r['seq_len'])}"] = floor_ratio(r)
-        for impl in IMPLS:
-            v = r["bytes_vs_theory"][impl]
+            out["step_ratio_long"][cell], out["step_ratio_floor_long"][cell] = r["ratio"]["step_s"], floor_ratio(r)
+        for impl, v in r["bytes_vs_theory"].items():
             if v is not None:
                 d = out["bytes_vs_theory_max"].setdefault(impl, {})
                 d[key] = max(d.get(key, 0.0), v)
-        out["act_vs_sp1"][f"{key}/S{_seq(r['seq_len'])}"] = r["act_vs_sp1"]
+        out["act_vs_sp1"][cell] = r["act_vs_sp1"]
     return out
 
 
@@ -376,29 +287,20 @@ def plot(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], prefix:
     models = sorted({r["model"] for r in rows} | {b["model"] for b in base})
 
     def lines(model: str, value: Callable[[dict[str, Any], str], float | None]) -> list[dict[str, Any]]:
-        return [
-            ln
-            for i, sp in enumerate(sps)
-            for impl in IMPLS
-            for ln in _results.line(
-                [r for r in rows if (r["model"], r["sp"]) == (model, sp)],
-                lambda r, impl=impl: value(r, impl),
-                label=f"{impl} SP={sp}",
-                linestyle=_LINES[i % len(_LINES)],
-                **_STYLE[impl],
-            )  # fmt: skip
-        ]
+        return [ln for i, sp in enumerate(sps) for impl in IMPLS for ln in _results.line(
+            [r for r in rows if (r["model"], r["sp"]) == (model, sp)], lambda r, impl=impl: value(r, impl),
+            label=f"{impl} SP={sp}", linestyle=_LINES[i % len(_LINES)], **_STYLE[impl])]  # fmt: skip
 
     def titled(title: str, model: str) -> str:
         return f"{title} ({model})" if len(models) > 1 else title
 
     def scaled(key: str, scale: float) -> Callable[[dict[str, Any], str], float | None]:
-        return lambda r, impl: _fmt_none(_get(r, impl, key), scale)
+        return lambda r, impl: _scale(_get(r, impl, key), scale)
 
     def sp1(model: str, key: str, scale: float) -> list[dict[str, Any]]:
         pts = [b for b in base if b["model"] == model]
         style = {"label": "SP=1 (no SP)", "color": "black", "linestyle": ":", "marker": "^"}
-        return _results.line(pts, lambda b: _fmt_none(b.get(key), scale), **style)
+        return _results.line(pts, lambda b: _scale(b.get(key), scale), **style)
 
     def theory(model: str) -> list[dict[str, Any]]:
         style = {"color": "gray", "lw": 4, "alpha": 0.35, "marker": ""}
@@ -429,5 +331,5 @@ def plot(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], prefix:
     return paths
 
 
-def _fmt_none(x: float | None, scale: float) -> float | None:
+def _scale(x: float | None, scale: float) -> float | None:
     return None if x is None else x / scale

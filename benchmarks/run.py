@@ -3,28 +3,20 @@
     python -m benchmarks.run                   # CPU profile (gloo, tiny Llama), about 10-15 min on 2 cores
     python -m benchmarks.run --quick           # smoke grid: SP=2, S=1024, 1 repeat (about a minute)
     python -m benchmarks.run --profile gpu     # NCCL, bf16, flash_attention_2, Qwen3-4B / Llama-8B shapes
+    python -m benchmarks.run --quick --out /tmp/ab   # results to /tmp/ab.{json,md} and /tmp/ab-*.png
 
-Every measured run is one `benchmarks._harness` job (torchrun, P ranks, `benchmarks.worker.run`) with a
-timeout. Per (SP, S) cell the two implementations run `--repeats` times each in alternating
-order (A B, B A, A B, ...: linear machine drift cancels); SP=1 baselines (one process, no SP, same model,
-data and engine) give the memory reference. Results: `benchmarks/results/<date>-<profile>.{json,md}` and
-`-time.png`, `-memory.png`, `-bytes.png`.
+`PROFILES` are the grids, `plan` their jobs in A B / B A order; method and outputs: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks import _harness, _results, report
 from benchmarks.worker import shipped_shape
-
-RESULTS = _results.RESULTS
 
 # Tiny random-init Llama for CPU: 4 query / 4 key-value heads (both divide SP = 2 and 4, so the theory
 # formula applies without KV replication), head_dim 32, 2 layers. Small enough that the whole CPU grid,
@@ -59,25 +51,15 @@ def model_shape(profile: dict[str, Any], name: str) -> dict[str, Any]:
 def make_spec(profile: dict[str, Any], model_name: str, impl: str, sp: int, seq_len: int) -> dict[str, Any]:
     """The JSON spec one worker job runs (see `benchmarks.worker`)."""
     model = dict(model_shape(profile, model_name), name=model_name, max_positions=seq_len)
-    return {
-        "impl": impl,
-        "sp": 1 if impl == report.BASELINE else sp,
-        "seq_len": seq_len,
-        "warmup": profile["warmup"],
-        "steps": profile["warmup"] + profile["steps"],  # the worker runs them all; reports skip the warm-up
-        "device": profile["device"],
-        "dtype": profile["dtype"],
-        "attn": profile["attn"],
-        "gradient_checkpointing": profile["gradient_checkpointing"],
-        "seed": 0,
-        # CPU: one thread per process. Intra-op threads on a shared 2-core box made the single process ~3x
-        # slower than one thread (OpenMP barriers spinning against other work), so SP=1 is one core and
-        # SP=P is P single-threaded processes (SP=4 oversubscribes 2 cores 2x, identically for A and B).
-        "threads": 1 if profile["device"] == "cpu" else None,
-        # one extra torch.profiler step per SP run for the "where the time goes" table (CPU only)
-        "op_profile": profile["device"] == "cpu" and impl != report.BASELINE,
-        "model": model,
-    }
+    cpu = profile["device"] == "cpu"
+    # CPU: one thread per process. Intra-op threads on a shared 2-core box made the single process ~3x slower than
+    # one thread (OpenMP barriers spinning against other work), so SP=1 is one core and SP=P is P single-threaded
+    # processes (SP=4 oversubscribes 2 cores 2x, identically for A and B). `op_profile`: one extra torch.profiler
+    # step per SP run for the "where the time goes" table (CPU only). `steps` counts the warm-up ones.
+    return {"impl": impl, "sp": 1 if impl == report.BASELINE else sp, "seq_len": seq_len, "warmup": profile["warmup"],
+            "steps": profile["warmup"] + profile["steps"], "seed": 0, "threads": 1 if cpu else None,
+            "op_profile": cpu and impl != report.BASELINE, "model": model,
+            **{k: profile[k] for k in ("device", "dtype", "attn", "gradient_checkpointing")}}  # fmt: skip
 
 
 def plan(profile: dict[str, Any]) -> list[dict[str, Any]]:
@@ -88,29 +70,26 @@ def plan(profile: dict[str, Any]) -> list[dict[str, Any]]:
     """
     specs, flip = [], False
     for model_name in profile["models"]:
-        seq_lens = sorted({s for _, s in profile["cells"]} | set(profile["sp1_seq_lens"]))
-        for seq_len in seq_lens:
-            if seq_len in profile["sp1_seq_lens"]:
-                for _ in range(profile["sp1_repeats"]):
-                    specs.append(make_spec(profile, model_name, report.BASELINE, 1, seq_len))
-            for sp, s in profile["cells"]:
-                if s != seq_len:
-                    continue
+        for seq_len in sorted({s for _, s in profile["cells"]} | set(profile["sp1_seq_lens"])):
+            n_sp1 = profile["sp1_repeats"] if seq_len in profile["sp1_seq_lens"] else 0
+            specs += [make_spec(profile, model_name, report.BASELINE, 1, seq_len) for _ in range(n_sp1)]
+            for sp in (sp for sp, s in profile["cells"] if s == seq_len):
                 for rep in range(profile["repeats"]):
-                    order = report.IMPLS[::-1] if flip else report.IMPLS
-                    flip = not flip
-                    for impl in order:
-                        specs.append(dict(make_spec(profile, model_name, impl, sp, seq_len), rep=rep))
+                    order, flip = report.IMPLS[::-1] if flip else report.IMPLS, not flip
+                    specs += [dict(make_spec(profile, model_name, impl, sp, seq_len), rep=rep) for impl in order]
     return specs
+
+
+def nproc(spec: dict[str, Any]) -> int:
+    return 1 if spec["impl"] == report.BASELINE else spec["sp"]
 
 
 def launch(session: _harness.Session, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one worker job and check it: `{"spec", "status", "wall_s", "result"?, "summary"?, "error"?}`."""
-    nproc = 1 if spec["impl"] == report.BASELINE else spec["sp"]
     env = {"OMP_NUM_THREADS": str(spec["threads"]), **_harness.MALLOC_ENV} if spec["device"] == "cpu" else {}
     worker_spec = {k: v for k, v in spec.items() if k not in ("rep", "label")}
     label = f"{spec['model']['name']} {spec.get('label', spec['impl']):>14} SP={spec['sp']} S={spec['seq_len']:>6}"
-    record = session.run(spec, label, "benchmarks.worker:run", nproc, timeout, env=env, spec=worker_spec)
+    record = session.run(spec, label, "benchmarks.worker:run", nproc(spec), timeout, env=env, spec=worker_spec)
     if record["status"] == "ok":
         try:
             record["summary"] = report.run_summary(record["result"], spec["warmup"])
@@ -131,11 +110,6 @@ def _check_sp_active(spec: dict[str, Any], result: dict[str, Any], summary: dict
         raise ValueError(f"{summary['a2a_calls']} all_to_all calls per step with sp={spec['sp']}")
 
 
-def failure(record: dict[str, Any]) -> str:
-    spec = record["spec"]
-    return f"{spec.get('label', spec['impl'])} SP={spec['sp']} S={spec['seq_len']}"
-
-
 def _describe(model: dict[str, Any]) -> str:
     return (
         f"({model['arch']}, {model['layers']} layers, hidden {model['hidden']}, {model['heads']}/{model['kv_heads']} "
@@ -144,33 +118,28 @@ def _describe(model: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.options(__doc__, "<profile>", timeout=None, repeats=None, steps=None)
     parser.add_argument("--profile", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="smoke grid: SP=2, S=1024, 1 repeat (CPU)")
-    parser.add_argument("--repeats", type=int, help="runs per implementation and cell (default: profile's)")
-    parser.add_argument("--steps", type=int, help="measured steps per run (default: profile's)")
     parser.add_argument("--warmup", type=int, help="warm-up steps skipped per run (default: profile's)")
-    parser.add_argument("--timeout", type=float, help="seconds per torchrun job (default: profile's)")
     parser.add_argument("--nproc", type=int, help="GPU profile: SP size (default: visible GPUs)")
     parser.add_argument("--seq-lens", type=str, help="comma-separated S for every SP size (overrides the grid)")
     parser.add_argument("--models", type=str, help="GPU profile: comma-separated subset of the model shapes")
     parser.add_argument("--attn", type=str, help="attention kernel (default: sdpa on CPU, flash_attention_2 on GPU)")
     parser.add_argument("--dry-run", action="store_true", help="print the planned jobs and exit")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--tag", default=None, help="result name (default: <date>-<profile>)")
     parser.add_argument("--from-json", type=Path, help="re-render the table and plots of an earlier result JSON")
     args = parser.parse_args(argv)
     if args.from_json:  # the runs are kept in the JSON: aggregate them again with the current code
         data = json.loads(args.from_json.read_text())
-        write_outputs(str(args.from_json.with_suffix("")), data["meta"], data["runs"])
+        write_outputs(args.out or str(args.from_json.with_suffix("")), data["meta"], data["runs"])
         return 0
 
-    name = "cpu-quick" if args.quick else args.profile
-    profile = json.loads(json.dumps(PROFILES[name]))  # a copy
+    args.name = "cpu-quick" if args.quick else args.profile
+    profile = json.loads(json.dumps(PROFILES[args.name]))  # a copy
     profile["cells"] = [tuple(c) for c in profile["cells"]] if profile["cells"] else None
-    for key in ("repeats", "steps", "warmup", "timeout", "attn"):
-        if getattr(args, key) is not None:
-            profile[key] = getattr(args, key)
+    profile.update(
+        {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "timeout", "attn") if getattr(args, k) is not None}
+    )
     if profile["device"] == "cuda":
         if args.nproc is None:
             import torch
@@ -183,27 +152,24 @@ def main(argv: list[str] | None = None) -> int:
             profile["models"] = {m: profile["models"][m] for m in args.models.split(",")}
     if args.seq_lens:
         lens = [int(s) for s in args.seq_lens.split(",")]
-        sps = sorted({sp for sp, _ in profile["cells"]})
-        profile["cells"] = [(sp, s) for sp in sps for s in lens]
+        profile["cells"] = [(sp, s) for sp in sorted({sp for sp, _ in profile["cells"]}) for s in lens]
         profile["sp1_seq_lens"] = lens
 
     specs = plan(profile)
     if args.dry_run:
         for spec in specs:
-            nproc = 1 if spec["impl"] == report.BASELINE else spec["sp"]
-            print(f"torchrun --standalone --nproc_per_node {nproc} -m benchmarks._harness --call benchmarks.worker:run "
-                  f"--kwargs '{json.dumps({'spec': spec})}' --out FILE")  # fmt: skip
+            print(f"torchrun --standalone --nproc_per_node {nproc(spec)} -m benchmarks._harness --call "
+                  f"benchmarks.worker:run --kwargs '{json.dumps({'spec': spec})}' --out FILE")  # fmt: skip
         print(f"{len(specs)} jobs", file=sys.stderr)
         return 0
-    tag = args.tag or f"{datetime.date.today().isoformat()}-{name}"
-    session = _harness.Session("python -m benchmarks.run", argv, Path(tempfile.mkdtemp(prefix=f"bench-{tag}-")))
+    session = _harness.Session("run", argv)
     runs = [launch(session, spec, profile["timeout"]) for spec in specs]
-    meta = session.finish(failure)
+    meta = session.finish()
     ok = [r for r in runs if r["status"] == "ok"]
-    meta.update(profile=name, versions=ok[0]["result"].get("versions", {}) if ok else {}, zero_stage=1)
+    meta.update(profile=args.name, versions=ok[0]["result"].get("versions", {}) if ok else {}, zero_stage=1)
     meta.update({k: profile[k] for k in ("warmup", "steps", "repeats", "device", "dtype", "attn", "cells")})
     meta["models"] = {m: _describe(model_shape(profile, m)) for m in profile["models"]}
-    write_outputs(str(args.out_dir / tag), meta, runs)
+    write_outputs(_harness.out(args), meta, runs)
     return 0 if ok and len(ok) == len(runs) else 1
 
 

@@ -1,26 +1,15 @@
-"""Per-rank activation memory of a vision-language model at SP=2 vs SP=1 (CPU).
+"""Per-rank activation memory of a vision-language model (random-init Qwen2.5-VL) at SP=2 vs SP=1 (CPU).
 
     python -m benchmarks.vlm_memory                    # S = 8K and 16K, 2 repeats (a few minutes on 2 cores)
-    python -m benchmarks.vlm_memory --seq-lens 4096 --repeats 1     # a quick look
+    python -m benchmarks.vlm_memory --seq-lens 4096 --repeats 1 --out /tmp/vlm   # a quick look
 
-One optimizer-free training step (forward + backward, after one warm-up step) of a random-init Qwen2.5-VL
-(decoder: 4 layers, hidden 256, 8 query / 2 key-value heads, vocabulary 1,024; vision tower: 2 blocks, hidden
-64) on one row of S tokens holding two images (16 x 16 and 16 x 24 pixels: 16 + 24 image tokens), in a fresh
-`benchmarks._harness` job per run: SP=1 is the plain model in one process, SP=2 is `hf_longctx` (Ulysses) on
-two processes, where the vision tower runs on the full images on both ranks (`hf_longctx/multimodal`). Memory:
-the rank's resident high-water mark during the step minus its resident memory at the step's start
-(`benchmarks._measure.StepMemory`: activations, gradients and transients), the worst rank, median over
-repeats; runs alternate SP=1 / SP=2 (A B, B A, ...). At these lengths the decoder's activations dominate,
-so the ratio shows what sharding the decoder saves. Writes `benchmarks/results/<date>-vlm-memory.{json,md}`.
+`step` is one run's ranks (two forward + backward steps, the second measured); the model, the batch and the
+method: benchmarks/README.md ("Vision-language models"). Writes `benchmarks/results/<date>-vlm-memory.{json,md}`.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from benchmarks import _harness, _results
@@ -28,31 +17,12 @@ from benchmarks import _harness, _results
 TARGET = 0.55  # issue 18: per-rank decoder activation memory at SP=2 <= 0.55 x SP=1
 IMAGE, START, END = 1000, 1001, 1002
 IMAGES = ((8, 8), (8, 12))  # grids (h, w) of 2 x 2-pixel patches: 16 and 24 image tokens after the 2 x 2 merge
-TEXT = {
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 65536,
-    "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-VISION = {
-    "depth": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_heads": 2,
-    "out_hidden_size": 256,
-    "patch_size": 2,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 1,
-    "in_channels": 3,
-    "window_size": 8,
-    "fullatt_block_indexes": [1],
-}
+TEXT = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "bos_token_id": 1,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 65536, "eos_token_id": 2,
+        "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}}  # fmt: skip
+VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
+          "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 1, "in_channels": 3, "window_size": 8,
+          "fullatt_block_indexes": [1]}  # fmt: skip
 
 
 def _batch(seq_len: int) -> dict[str, Any]:
@@ -67,15 +37,9 @@ def _batch(seq_len: int) -> dict[str, Any]:
         grids.append((1, h, w))
         at += seq_len // 3
     pixels = torch.randn(sum(h * w for _, h, w in grids), 12, generator=gen)
-    labels = ids.masked_fill(ids == IMAGE, -100)
-    return {
-        "input_ids": ids,
-        "labels": labels,
-        "attention_mask": torch.ones_like(ids),
-        "mm_token_type_ids": (ids == IMAGE).long(),
-        "pixel_values": pixels,
-        "image_grid_thw": torch.tensor(grids),
-    }
+    return {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100), "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == IMAGE).long(), "pixel_values": pixels,
+            "image_grid_thw": torch.tensor(grids)}  # fmt: skip
 
 
 def step(rank: int, world: int, seq_len: int) -> dict[str, Any]:
@@ -90,14 +54,13 @@ def step(rank: int, world: int, seq_len: int) -> dict[str, Any]:
     from benchmarks._measure import StepMemory
 
     torch.set_num_threads(1)
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=TEXT,
-        vision_config=VISION,
-        image_token_id=IMAGE,
-        video_token_id=1003,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-    )
+    tokens = {
+        "image_token_id": IMAGE,
+        "video_token_id": 1003,
+        "vision_start_token_id": START,
+        "vision_end_token_id": END,
+    }
+    config = transformers.Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, **tokens)
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation="sdpa").train()
     batch = _batch(seq_len)
@@ -124,64 +87,25 @@ def step(rank: int, world: int, seq_len: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.options(__doc__, "vlm-memory", timeout=900, repeats=2)
     parser.add_argument("--seq-lens", default="8192,16384")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument(
-        "--out", type=Path, default=None, help="results prefix (default benchmarks/results/<date>-vlm-memory)"
-    )
     args = parser.parse_args(argv)
-    session = _harness.Session("python -m benchmarks.vlm_memory", argv, Path(tempfile.mkdtemp(prefix="bench-vlm-")))
-    runs: dict[tuple[int, int], list[float]] = {}
-    for seq_len in (int(s) for s in args.seq_lens.split(",")):
-        for rep in range(args.repeats):
-            for sp in (1, 2) if rep % 2 == 0 else (2, 1):
-                record = session.run(
-                    {"sp": sp, "seq_len": seq_len},
-                    f"SP={sp} S={seq_len}",
-                    "benchmarks.vlm_memory:step",
-                    sp,
-                    args.timeout,
-                    env=_harness.CPU_ENV,
-                    seq_len=seq_len,
-                    init_backend="gloo" if sp > 1 else None,
-                )
-                if record["status"] == "ok":
-                    worst = max(r["act_bytes"] for r in record["result"]["ranks"])
-                    runs.setdefault((seq_len, sp), []).append(worst)
-    meta = session.finish(lambda r: f"SP={r['spec']['sp']} S={r['spec']['seq_len']}")
-    rows = []
-    for seq_len in sorted({s for s, _ in runs}):
-        one, two = (_harness.median(runs.get((seq_len, sp), [])) for sp in (1, 2))
-        rows.append({"seq_len": seq_len, "sp1": one, "sp2": two, "ratio": _harness.ratio(two, one)})
+
+    def launch(seq_len: int, variant: str) -> dict[str, Any]:
+        sp = int(variant[-1])
+        return {"target": "benchmarks.vlm_memory:step", "nproc": sp, "env": _harness.CPU_ENV, "seq_len": seq_len,
+                "init_backend": "gloo" if sp > 1 else None}  # fmt: skip
+
     columns: list[_results.Column] = [
-        ("S", lambda r: _results.seq(r["seq_len"])),
-        ("SP=1 MiB", lambda r: _results.fmt(r["sp1"], ".0f", _results.MiB)),
-        ("SP=2 MiB per rank (worst)", lambda r: _results.fmt(r["sp2"], ".0f", _results.MiB)),
-        ("SP=2 / SP=1", lambda r: _results.fmt(r["ratio"], ".3f")),
-        ("target", lambda r: f"<= {TARGET}: " + ("reached" if _reached(r) else "NOT reached")),
-    ]
-    md = (
-        "\n".join(
-            [
-                f"# VLM activation memory per rank, SP=2 vs SP=1 ({meta['date']})",
-                "",
-                _results.run_line(meta),
-                "Model and method: see `benchmarks/vlm_memory.py`.",
-                "",
-                *_results.table(columns, rows),
-            ]
-        )
-        + "\n"
-    )
-    prefix = args.out or _results.RESULTS / f"{datetime.date.today().isoformat()}-vlm-memory"
-    _results.write(prefix, {"meta": meta, "rows": rows, "runs": {f"{s}/{p}": v for (s, p), v in runs.items()}}, md)
-    return 0 if rows and all(map(_reached, rows)) else 1
-
-
-def _reached(row: dict[str, Any]) -> bool:
-    return row["ratio"] is not None and row["ratio"] <= TARGET
+        _results.col("activation MiB per rank (worst)", "act", ".0f", _results.MiB),
+        _results.col("x SP=1", "x_act", ".3f"),
+        ("target", lambda r: _results.target(r["x_act"], TARGET) if r["variant"] == "SP=2" else ""),
+    ]  # fmt: skip
+    return _harness.compare(
+        args, argv, [int(s) for s in args.seq_lens.split(",")], ("SP=1", "SP=2"), launch,
+        lambda r: {"act": _harness.worst(r, "act_bytes")}, columns, "VLM activation memory per rank, SP=2 vs SP=1",
+        "Model and method: benchmarks/README.md (\"Vision-language models\").", target=("SP=2", "x_act", TARGET),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

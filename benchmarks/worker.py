@@ -44,20 +44,13 @@ def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str |
     import transformers
 
     config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[model_spec["arch"]])
+    m = model_spec
     config = config_cls(
-        vocab_size=model_spec["vocab"],
-        hidden_size=model_spec["hidden"],
-        intermediate_size=model_spec["intermediate"],
-        num_hidden_layers=model_spec["layers"],
-        num_attention_heads=model_spec["heads"],
-        num_key_value_heads=model_spec["kv_heads"],
-        head_dim=model_spec["head_dim"],
-        max_position_embeddings=max(model_spec.get("max_positions", 0), 4096),
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        use_cache=False,
-        **model_spec.get("extra", {}),
-    )
+        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+        num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
+        head_dim=m["head_dim"], max_position_embeddings=max(m.get("max_positions", 0), 4096), attention_dropout=0.0,
+        tie_word_embeddings=False, use_cache=False, **m.get("extra", {}),
+    )  # fmt: skip
     torch.manual_seed(model_spec.get("seed", 0))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     # GPU: built in place, never a full fp32 copy in host memory per rank; device None (ZeRO-3 configured):
@@ -66,22 +59,13 @@ def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str |
         return model_cls._from_config(config, attn_implementation=attn, dtype=torch_dtype)
 
 
-class Rows:
+def random_rows(n: int, seq_len: int, vocab: int, seed: int, same: bool = False) -> list[dict[str, list[int]]]:
     """`n` rows of `seq_len` random token ids in [3, vocab) (`same`: n copies of one row, so the first step's
     row is known whatever order the sampler picks); ids 0-2 stay free for the SFT tokenizer's specials."""
+    import torch
 
-    def __init__(self, n: int, seq_len: int, vocab: int, seed: int, same: bool = False) -> None:
-        import torch
-
-        gen = torch.Generator().manual_seed(seed)
-        shape = (1, seq_len) if same else (n, seq_len)
-        self.ids = torch.randint(3, vocab, shape, generator=gen).expand(n, seq_len)
-
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"input_ids": self.ids[i].tolist()}
+    ids = torch.randint(3, vocab, (1 if same else n, seq_len), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row.tolist()} for row in ids.expand(n, seq_len)]
 
 
 def make_collate(doc_len: int | None):
@@ -177,11 +161,8 @@ def flags_active(model: Any) -> dict[str, bool]:
 
     layer = model.model.layers[0]
     func = getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
-    return {
-        "tiled_loss": len(model.lm_head._forward_hooks) > 0,
-        "tiled_mlp": "forward" in vars(layer.mlp),
-        "offload_activations": func is offloaded_checkpoint,
-    }
+    return {"tiled_loss": len(model.lm_head._forward_hooks) > 0, "tiled_mlp": "forward" in vars(layer.mlp),
+            "offload_activations": func is offloaded_checkpoint}  # fmt: skip
 
 
 def _trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any], callbacks: list) -> Any:
@@ -199,7 +180,7 @@ def _trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any]
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(max_length=spec["seq_len"], packing=False, dataset_num_proc=1, **common)
-    rows = datasets.Dataset.from_list([data[i] for i in range(len(data))])
+    rows = datasets.Dataset.from_list(list(data))
     return SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, callbacks=callbacks)
 
 
@@ -213,20 +194,13 @@ def _dpo_trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, 
         return " ".join(f"w{i}" for i in ids)
 
     half = spec["seq_len"] // 2
-    rows = [data[i]["input_ids"] for i in range(len(data))]
-    pairs = [
-        {
-            "prompt": words(r[:half]),
-            "chosen": " " + words(r[half:]),
-            "rejected": " " + words(r[half : half + half // 2]),
-        }
-        for r in rows
-    ]
+    rows = [d["input_ids"] for d in data]
+    pairs = datasets.Dataset.from_list([
+        {"prompt": words(r[:half]), "chosen": " " + words(r[half:]), "rejected": " " + words(r[half:][: half // 2])}
+        for r in rows])  # fmt: skip
     args = DPOConfig(max_length=None, dataset_num_proc=1, beta=0.1, **common)
-    pairs = datasets.Dataset.from_list(pairs)
-    reference = build_model(
-        spec["model"], spec["attn"], spec["dtype"], spec.get("device", "cpu")
-    )  # TRL's copy: by path
+    # The reference is built here (TRL would copy the policy by its path, which a random-init model has not).
+    reference = build_model(spec["model"], spec["attn"], spec["dtype"], spec.get("device", "cpu"))
     return DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer,
                       callbacks=callbacks)  # fmt: skip
 
@@ -270,7 +244,7 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         data = window_dataset(tok, spec["seq_len"], max_windows=spec.get("windows", 100))
     else:
         packed = spec.get("data") == "packed"
-        data = Rows((steps + 1) * world, spec["seq_len"], spec["model"]["vocab"], spec.get("seed", 0), same=packed)
+        data = random_rows((steps + 1) * world, spec["seq_len"], spec["model"]["vocab"], spec.get("seed", 0), packed)
     # Computed before training: the upstream path then replaces the process-wide kernel for every model.
     reference = None
     if spec.get("reference_loss") and rank == 0:
@@ -298,44 +272,30 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     model.register_forward_pre_hook(
         lambda m, a, kw: local_lens.append(int(kw["input_ids"].shape[1])) if not local_lens else None, with_kwargs=True
     )
-    hf_ctx = None
-    if spec["impl"] == "hf_longctx":
-        from hf_longctx.instrument import record_collectives
+    from hf_longctx.instrument import record_collectives
 
-        hf_ctx = record_collectives()
-    hf_stats = hf_ctx.__enter__() if hf_ctx is not None else None
-    steps_cb = recorder(counter, memory, hf_stats, cuda, profile_step)
-    trainer = _trainer(spec, model, data, common, [steps_cb])
-    t0 = time.perf_counter()
-    try:
-        trainer.train()
-    finally:
-        if hf_ctx is not None:
-            hf_ctx.__exit__(None, None, None)
-        memory.end()
+    with record_collectives() if spec["impl"] == "hf_longctx" else contextlib.nullcontext() as hf_stats:
+        steps_cb = recorder(counter, memory, hf_stats, cuda, profile_step)
+        trainer = _trainer(spec, model, data, common, [steps_cb])
+        t0 = time.perf_counter()
+        try:
+            trainer.train()
+        finally:
+            memory.end()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open("/proc/self/status") as f:
         host_peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     flags = [k for k in ("tiled_loss", "tiled_mlp", "offload_activations") if spec.get("sp_options", {}).get(k)]
     return {
-        "rank": rank,
-        "steps": steps_cb.steps,
-        "op_profile": steps_cb.op_profile,
-        "process_peak_bytes": memory.process_peak,
-        "run_peak_bytes": memory.process_peak - start,
-        "host_peak_bytes": host_peak if cuda else memory.process_peak,
-        "memory_method": memory.method,
-        "local_seq_len": local_lens[0] if local_lens else None,
-        "train_s": time.perf_counter() - t0,
-        "losses": losses,
-        "first_loss": losses[0] if losses else None,
-        "document_reference_loss": reference,
+        "rank": rank, "steps": steps_cb.steps, "op_profile": steps_cb.op_profile,
+        "process_peak_bytes": memory.process_peak, "run_peak_bytes": memory.process_peak - start,
+        "host_peak_bytes": host_peak if cuda else memory.process_peak, "memory_method": memory.method,
+        "local_seq_len": local_lens[0] if local_lens else None, "train_s": time.perf_counter() - t0,
+        "losses": losses, "first_loss": losses[0] if losses else None, "document_reference_loss": reference,
         "flags_active": {k: v for k, v in flags_active(model).items() if k in flags} if flags else {},
-        "wrapper": type(trainer.model_wrapped).__name__,
-        "attn": spec.get("attn"),
+        "wrapper": type(trainer.model_wrapped).__name__, "attn": spec.get("attn"), "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "threads": torch.get_num_threads(),
-    }
+    }  # fmt: skip
 
 
 def shipped_shape(name: str, arch: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_short_run_does_not_drift(tmp_path, record_property):
     cmd = [sys.executable, "-m", "benchmarks.drift", "--steps", str(STEPS), "--warmup", str(WARMUP),
-           "--seq-len", "32", "--windows", "12", "--sp", "2", "--out", str(tmp_path)]  # fmt: skip
+           "--seq-len", "32", "--windows", "12", "--sp", "2", "--out", str(tmp_path / "run-drift")]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

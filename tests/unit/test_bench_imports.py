@@ -3,7 +3,7 @@ benchmark's code as its own (a test that needs a benchmark runs it as a command)
 
 The only tests that import `benchmarks` are the unit tests of the benchmarks' pure functions (their subject is
 that code); a test that needs a whole benchmark runs it as a command (`tests/dist/test_drift.py`,
-`tests/dist/test_planner_cpu.py`).
+`tests/dist/test_planner_cpu.py`, `tests/unit/test_bench_memory.py` on saved records with `--from-json`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK_UNIT_TESTS = {
     "tests/unit/test_bench_report.py",
     "tests/unit/test_gpu_ladder.py",
-    "tests/unit/test_memory_report.py",
     "tests/unit/test_planner_published.py",
     "tests/unit/test_planner.py",
     "tests/unit/test_plan_validate_tiled.py",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import report
+from benchmarks import _measure, report
 from benchmarks.run import PROFILES, make_spec, plan
 
 MODEL = {"name": "m", "arch": "llama", "heads": 8, "kv_heads": 8, "head_dim": 32, "layers": 2, "vocab": 64}
@@ -127,13 +127,13 @@ def test_plan_alternates_order_and_puts_baselines_first():
 
 
 def test_op_category_matches_forward_ops_and_autograd_nodes():
-    assert report.op_category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
-    assert report.op_category("ScaledDotProductFlashAttentionForCpuBackward0") == "attention"
-    assert report.op_category("aten::mm") == "matmul"
-    assert report.op_category("MmBackward0") is None  # the autograd node itself; its aten::mm child is matmul
+    assert _measure.op_category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert _measure.op_category("ScaledDotProductFlashAttentionForCpuBackward0") == "attention"
+    assert _measure.op_category("aten::mm") == "matmul"
+    assert _measure.op_category("MmBackward0") is None  # the autograd node itself; its aten::mm child is matmul
     for name in ("_AllToAll", "_AllToAllBackward", "deepspeed::dim_zero_all_to_all", "c10d::allreduce_", "_AllGather"):
-        assert report.op_category(name) == "communication", name
-    assert report.op_category("aten::copy_") is None
+        assert _measure.op_category(name) == "communication", name
+    assert _measure.op_category("aten::copy_") is None
 
 
 def test_categorize_ops_uses_innermost_classified_ancestor():
@@ -144,7 +144,7 @@ def test_categorize_ops_uses_innermost_classified_ancestor():
         (0.05, ["aten::copy_", "aten::contiguous"]),  # outside any classified op
         (0.01, ["aten::mm", "_AllToAll"]),  # innermost classified name wins
     ]
-    out = report.categorize_ops(events)
+    out = _measure.categorize_ops(events)
     assert out == pytest.approx({"attention": 0.5, "matmul": 0.21, "communication": 0.1, "other": 0.05, "total": 0.86})
 
 
