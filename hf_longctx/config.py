@@ -70,6 +70,15 @@ class ParallelismConfig(_AccelerateParallelismConfig):
             "max(hidden_size, 4096) tokens, an integer = that many tiles. MoE routed experts stay untiled (logged)."
         },
     )
+    tiled_layer: bool | int = field(
+        default=False,
+        metadata={
+            "help": "Run each Llama-family decoder layer (Llama, Qwen2/3, Mistral structure) over the sequence in "
+            "tiles, forward and recompute: only the layer's input/output and K/V are sequence-long; it tiles that "
+            "layer's MLP too. True = tiles of max(hidden_size, 4096) tokens, an integer = that many tiles. Other "
+            "layers, ring and hybrid SP run untiled (logged)."
+        },
+    )
     offload_activations: bool = field(
         default=False,
         metadata={
@@ -96,7 +105,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         if self.sp_backend in UPSTREAM_BACKENDS:
             if self.memory_enabled:
                 raise ValueError(
-                    "tiled_loss, tiled_mlp and offload_activations are hf_longctx features; with "
+                    "tiled_loss, tiled_mlp, tiled_layer and offload_activations are hf_longctx features; with "
                     f"sp_backend={self.sp_backend!r} set them to False (or use sp_backend='ulysses')."
                 )
             super().__post_init__()
@@ -170,7 +179,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
     @property
     def memory_enabled(self) -> bool:
         """True when any of the memory flags is on."""
-        return bool(self.tiled_loss or self.tiled_mlp or self.offload_activations)
+        return bool(self.tiled_loss or self.tiled_mlp or self.tiled_layer or self.offload_activations)
 
     @property
     def sp_upstream(self) -> bool:
@@ -191,6 +200,7 @@ def _check_memory_flags(config: ParallelismConfig) -> None:
         raise ValueError(f"tiled_loss must be True, False or 'liger', got {config.tiled_loss!r}.")
     if not isinstance(config.offload_activations, bool):
         raise ValueError(f"offload_activations must be True or False, got {config.offload_activations!r}.")
-    tiles = config.tiled_mlp
-    if not isinstance(tiles, bool) and not (isinstance(tiles, int) and tiles >= 1):
-        raise ValueError(f"tiled_mlp must be True, False or a tile count >= 1, got {tiles!r}.")
+    for name in ("tiled_mlp", "tiled_layer"):
+        tiles = getattr(config, name)
+        if not isinstance(tiles, bool) and not (isinstance(tiles, int) and tiles >= 1):
+            raise ValueError(f"{name} must be True, False or a tile count >= 1, got {tiles!r}.")
