@@ -7,8 +7,11 @@ the ordinary autograd graph and each parameter's gradient hook fires once per ba
 (kept whole: attention needs them); pass 2, per query tile, the norm, queries, attention against the
 whole K/V (`tile_attention`: LSE kernels, per-document causal), o_proj, residual, post-norm, MLP and
 residual. Only the layer's input and output and K/V are sequence-long; everything else is one tile.
-Under Ulysses SP the keys/values are exchanged to head shards once per layer, and each query tile's
-queries and attention output are exchanged around its attention. Layers of another structure (or
+From forward to backward a tiled layer keeps only its input: the tiles' saved K/V are recomputed once
+in backward (`_RecomputedKV`), so the layer is its own activation checkpoint (transformers' layer
+checkpointing, which wraps the class forward, is bypassed for tiled layers). Under Ulysses SP the
+keys/values are exchanged to head shards once per layer, and each query tile's queries and attention
+output are exchanged around its attention. Layers of another structure (or
 sliding windows, MoE, soft-capping, sinks, dropout) and ring / hybrid SP run untiled, logged once.
 """
 
@@ -150,27 +153,73 @@ class _TiledLayer:
         groups = sp.groups if sp is not None and sp.groups.sp_world_size > 1 else None
         return self.run(hidden_states, embeddings, context, groups, n)
 
-    def run(self, x, embeddings, context: SequenceContext, groups, n: int) -> torch.Tensor:
-        run = functools.partial(checkpoint, use_reentrant=False) if torch.is_grad_enabled() else _call
-        xs = torch.tensor_split(x, n, dim=1)
-        cos, sin = (torch.tensor_split(t, n, dim=1) for t in embeddings)  # [bs, n, hs] each
-        kv = [run(self.keys_values, *parts) for parts in zip(xs, cos, sin, strict=True)]
+    def whole_keys_values(self, parts: list[tuple], groups, run: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+        """K/V of the whole sequence (Ulysses: this rank's kv heads of the whole sequence), tile by tile."""
+        kv = [run(self.keys_values, *p) for p in parts]
         k, v = torch.cat([t[0] for t in kv], dim=2), torch.cat([t[1] for t in kv], dim=2)  # [bs, hc_kv, sl_l, hs]
+        if groups is None:
+            return k, v
+        layout = head_layout(self.attn.config.num_attention_heads, k.shape[1], groups.sp_world_size)
+        if layout.kv_index is not None:  # each rank receives the kv heads its query heads read
+            index = head_index(layout.kv_index, k.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)
+        k = all_to_all(k.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, kv_l, sl, hs]
+        v = all_to_all(v.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)
+        return k, v
+
+    def run(self, x, embeddings, context: SequenceContext, groups, n: int) -> torch.Tensor:
+        grad = torch.is_grad_enabled()
+        run = functools.partial(checkpoint, use_reentrant=False) if grad else _call
+        cos, sin = (torch.tensor_split(t, n, dim=1) for t in embeddings)  # [bs, n, hs] each
+        parts = list(zip(torch.tensor_split(x, n, dim=1), cos, sin, strict=True))
+        k, v = self.whole_keys_values(parts, groups, run)
+        recompute = _RecomputedKV(k, v, functools.partial(self.whole_keys_values, parts, groups, _call))
         ws, sl_l = (groups.sp_world_size if groups is not None else 1), x.shape[1]
-        if groups is not None:
-            layout = head_layout(self.attn.config.num_attention_heads, k.shape[1], ws)
-            if layout.kv_index is not None:  # each rank receives the kv heads its query heads read
-                index = head_index(layout.kv_index, k.device)
-                k, v = k.index_select(1, index), v.index_select(1, index)
-            k = all_to_all(k.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, kv_l, sl, hs]
-            v = all_to_all(v.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)
         segments, outs, start = context.segments(), [], 0
-        for parts in zip(xs, cos, sin, strict=True):
-            length = parts[0].shape[1]
-            spans = [(r * length, r * sl_l + start, length) for r in range(ws)]  # contiguous shards
-            outs.append(run(self.tile, *parts, k, v, plan_pieces(segments, spans), groups))
-            start += length
+        with torch.autograd.graph.saved_tensors_hooks(recompute.pack, recompute.unpack):
+            for part in parts:
+                length = part[0].shape[1]
+                spans = [(r * length, r * sl_l + start, length) for r in range(ws)]  # contiguous shards
+                outs.append(run(self.tile, *part, k, v, plan_pieces(segments, spans), groups))
+                start += length
+        recompute.forget()
         return torch.cat(outs, dim=1)
+
+
+class _RecomputedKV:
+    """Saved-tensor hooks that keep a layer's K/V out of the saved activations: the tiles save a marker,
+    and the first unpack in backward recomputes K/V (no grad; values only, their gradients flow through the
+    forward's graph) for every tile, dropped after the last. So a tiled layer keeps only its input, like a
+    checkpointed one."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, compute: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+        self.kept: tuple[torch.Tensor, ...] = (k, v)
+        self.compute = compute
+        self.values: tuple[torch.Tensor, ...] | None = None
+        self.pending = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        for i, kept in enumerate(self.kept):
+            if t.data_ptr() == kept.data_ptr() and t.shape == kept.shape:
+                self.pending += 1
+                return i
+        return t
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, int):
+            return packed
+        if self.values is None:
+            with torch.no_grad():
+                self.values = self.compute()
+        value = self.values[packed]
+        self.pending -= 1
+        if self.pending == 0:
+            self.values = None
+        return value
+
+    def forget(self) -> None:
+        """End of the forward: hold no reference to the forward's K/V."""
+        self.kept = ()
 
 
 def _call(function: Callable[..., Any], *args: Any) -> Any:

@@ -5,6 +5,7 @@ tile attention equals dense attention, unsupported layers stay untiled, and the 
 from __future__ import annotations
 
 import logging
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -60,34 +61,48 @@ def test_tiled_layer_matches_loss_and_every_gradient(arch, packed):
         assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (tiles, loss_err, grad_err)
 
 
-def test_tiled_layer_with_checkpointing_offload_and_the_other_flags():
+def test_tiled_layer_with_checkpointing_and_the_other_flags_and_offload_is_refused():
     model = tiny_model("llama")
     batch = _batch(packed=True)
     ref, ref_grads = _loss_and_grads(model, batch)
     model.activation_checkpointing_enable({"use_reentrant": False})
-    flags = SimpleNamespace(tiled_layer=3, tiled_mlp=2, tiled_loss=True, offload_activations=True)
+    flags = SimpleNamespace(tiled_layer=3, tiled_mlp=2, tiled_loss=True)
     with apply_memory_flags(model, flags) as handle:
         assert handle.parts["tiled_mlp"].modules == []  # the tiled layers tile their own MLPs
         loss, grads = _loss_and_grads(model, batch)
     loss_err, grad_err = _max_errors(loss, grads, ref, ref_grads)
     assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL
+    with pytest.raises(ValueError, match="offload_activations=False"):
+        apply_memory_flags(model, SimpleNamespace(tiled_layer=True, offload_activations=True))
+    with pytest.raises(ValueError, match="offload_activations=False"):
+        ParallelismConfig(tiled_layer=True, offload_activations=True)
+    assert "forward" not in model.model.layers[0].__dict__  # nothing stays applied
 
 
-def test_tiled_layer_keeps_no_full_length_activation_of_the_attention():
-    # With 4 tiles, autograd keeps no [bs, heads, sl, hs] query (nor any other full-length tensor than the
-    # layer's input and K/V): the checkpointed tiles save only their inputs.
-    model = tiny_model("llama", layers=1)
-    batch = _batch(packed=False, bs=1, sl=64)
-    saved: list[tuple[int, ...]] = []
+def test_a_tiled_layer_keeps_only_its_input_until_backward(monkeypatch):
+    # The forward's K/V (and every tile's activations) are freed when the forward returns; backward
+    # recomputes them. A weak reference to each K the tiles attend to must be dead before backward.
+    from hf_longctx.memory import tiled_layer
 
-    def pack(t):
-        saved.append(tuple(t.shape))
-        return t
+    model = tiny_model("llama")
+    batch = _batch(packed=True)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    keys: list[weakref.ref] = []
+    attend = tiled_layer.tile_attention
 
-    with enable_tiled_layer(model, 4), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**batch).loss.backward()
-    queries = (1, 4, 64, 16)
-    assert queries not in saved and (1, 64, 128) not in saved  # no full q, no full MLP activations
+    def recording(q, k, v, pieces, scale):
+        keys.append(weakref.ref(k))
+        return attend(q, k, v, pieces, scale)
+
+    monkeypatch.setattr(tiled_layer, "tile_attention", recording)
+    with enable_tiled_layer(model, 4):
+        out = model(**batch)
+        assert len(keys) == 8 and all(ref() is None for ref in keys)  # 4 tiles x 2 layers, all freed
+        out.loss.backward()
+    assert len(keys) == 16  # backward: every tile recomputed once
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    _, grad_err = _max_errors(ref, grads, ref, ref_grads)
+    assert grad_err <= GRAD_RTOL
 
 
 def test_tile_attention_equals_dense_attention_per_document():
