@@ -47,7 +47,8 @@ def tiled_worker(rank: int, world_size: int) -> dict:
     for backend in OTHER_BACKENDS[world_size]:
         backend_groups = hf_longctx.SequenceParallelGroups.build(world_size)
         model = tiny_model("llama", num_kv_heads=2)
-        hf_longctx.enable_sequence_parallel(model, backend_groups, backend=backend)
+        degree = {"ulysses_degree": 2} if backend == "hybrid" else {}  # a real Ulysses 2 x ring 2
+        hf_longctx.enable_sequence_parallel(model, backend_groups, backend=backend, **degree)
         with apply_memory_flags(model, SimpleNamespace(tiled_layer=3)) as handle:
             assert handle.parts["tiled_layer"].layers == []  # ring attention: untiled, logged
             runs.clear()
