@@ -265,24 +265,30 @@ class _TiledState:
         return context
 
     def _check_mask(self, mask: Any, context: SequenceContext) -> None:
-        """Without SP the model's mask must be the per-document causal mask tiles apply (no padding)."""
+        """Without SP the model's mask must be the per-document causal mask the tiles apply, or that mask
+        with right padding: every real token then sees what it sees untiled (loss and gradients exact);
+        only the outputs at padding positions, which no loss reads, may differ."""
         if mask is None or (isinstance(mask, torch.Tensor) and (id(mask), mask.data_ptr()) == self._checked_mask):
             return
-        ok = isinstance(mask, torch.Tensor)
-        if ok and mask.dim() == 2:
-            ok = bool(mask.all())
-        elif ok and mask.dim() == 4:
+        ok = isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)
+        if ok:
             doc = context.doc_ids
-            sl = doc.shape[1]
-            expected = (doc[:, None, :, None] == doc[:, None, None, :]) & torch.ones(
-                sl, sl, dtype=torch.bool, device=doc.device
-            ).tril()
-            allowed = mask if mask.dtype == torch.bool else mask == 0
-            ok = allowed.shape[-2:] == (sl, sl) and torch.equal(allowed.expand_as(expected), expected)
+            bs, sl = doc.shape
+            if mask.dim() == 2:
+                valid = mask.bool().expand(bs, sl)
+            else:
+                allowed = (mask if mask.dtype == torch.bool else mask == 0).expand(bs, 1, sl, sl)[:, 0]
+                valid = allowed.any(dim=-2)  # [bs, sl] keys some query sees: the real tokens
+            ok = bool((valid[:, 1:] <= valid[:, :-1]).all())  # right padding only
+            if ok and mask.dim() == 4:
+                causal = torch.ones(sl, sl, dtype=torch.bool, device=doc.device).tril()
+                expected = (doc[:, :, None] == doc[:, None, :]) & causal & valid[:, None, :]
+                ok = torch.equal(allowed[valid], expected[valid])  # the real query rows
         if not ok:
             raise ValueError(
-                "tiled_layer: the attention mask is not the causal per-document mask of position_ids (padding, "
-                "a custom or flex mask); pass packed rows without padding (position_ids) or set tiled_layer=False."
+                "tiled_layer: the attention mask is not the causal per-document mask of position_ids with at most "
+                "right padding (left padding, a custom or flex mask); pass right-padded or packed rows or set "
+                "tiled_layer=False."
             )
         self._checked_mask = (id(mask), mask.data_ptr())
 

@@ -138,13 +138,23 @@ def test_unsupported_layers_stay_untiled_and_are_logged(caplog):
         assert handle.layers == ["model.layers.0"] and "sliding window" in handle.untiled["model.layers.1"]
 
 
-def test_a_padding_mask_is_refused():
+def test_right_padding_is_exact_and_left_padding_or_a_cross_document_mask_refused():
     model = tiny_model("llama")
     batch = _batch(packed=False)
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     batch["attention_mask"][1, 30:] = 0
-    with enable_tiled_layer(model, 2), pytest.raises(ValueError, match="tiled_layer=False"):
-        model(**batch)
+    batch["labels"][1, 30:] = -100
+    ref, ref_grads = _loss_and_grads(model, batch)
+    with enable_tiled_layer(model, 3):
+        loss, grads = _loss_and_grads(model, batch)
+        loss_err, grad_err = _max_errors(loss, grads, ref, ref_grads)
+        assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL
+        with pytest.raises(ValueError, match="tiled_layer=False"):
+            model(**{**batch, "attention_mask": batch["attention_mask"].flip(-1)})  # left padding
+        # transformers builds no per-document mask when position_ids come with an attention_mask: the model
+        # itself attends across the packed documents, which the tiles would not reproduce
+        with pytest.raises(ValueError, match="tiled_layer=False"):
+            model(**{**batch, "position_ids": _batch(packed=True)["position_ids"]})
 
 
 def test_eval_forward_and_remove_restore_the_model():
