@@ -163,9 +163,11 @@ class _TiledLayer:
         if layout.kv_index is not None:  # each rank receives the kv heads its query heads read
             index = head_index(layout.kv_index, k.device)
             k, v = k.index_select(1, index), v.index_select(1, index)
-        k = all_to_all(k.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, kv_l, sl, hs]
-        v = all_to_all(v.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)
-        return k, v
+        ws = groups.sp_world_size
+        # One exchange for both: per destination rank, its k heads then its v heads. [bs, ws * 2 * kv_l, sl_l, hs]
+        kv = torch.cat([k.unflatten(1, (ws, -1)), v.unflatten(1, (ws, -1))], dim=2).flatten(1, 2)
+        kv = all_to_all(kv, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, 2 * kv_l, sl, hs]
+        return kv.chunk(2, dim=1)
 
     def run(self, x, embeddings, context: SequenceContext, groups, n: int) -> torch.Tensor:
         grad = torch.is_grad_enabled()
