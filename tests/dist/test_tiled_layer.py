@@ -42,7 +42,9 @@ def tiled_worker(rank: int, world_size: int) -> dict:
                     assert len(handle.parts["tiled_layer"].layers) == 2
                 runs.clear()
                 results[(arch, name)] = _run(model, batch, groups, fused=False)
-                assert runs == ([3, 3] if flags else []), runs  # both layers ran tiled (backward recomputes tiles, not layers)
+                assert runs == ([3, 3] if flags else []), (
+                    runs
+                )  # both layers ran tiled (backward recomputes tiles, not layers)
         results[(arch, "single")] = _reference(arch, "sdpa", kv, batch)[:2]
     for backend in OTHER_BACKENDS[world_size]:
         backend_groups = hf_longctx.SequenceParallelGroups.build(world_size)
@@ -57,7 +59,7 @@ def tiled_worker(rank: int, world_size: int) -> dict:
     return results if rank == 0 else {}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tiled_layer_matches_untiled_and_single_device(world_size):
     results = run_distributed(tiled_worker, world_size, timeout=400)[0]
     for arch, _, _ in MODELS[world_size]:
@@ -66,3 +68,31 @@ def test_tiled_layer_matches_untiled_and_single_device(world_size):
             _assert_close(results[(arch, name)], results[(arch, "single")], f"SP={world_size} {arch} {name} vs 1")
     for backend in OTHER_BACKENDS[world_size]:
         _assert_close(results[(backend, "tiled_layer")], results[("llama", "single")], f"{backend} untiled")
+
+
+def _zero3_tiles_worker(rank: int, world_size: int) -> dict:
+    import torch
+
+    from hf_longctx.instrument import record_collectives
+    from hf_longctx.memory import tiled_layer, tiling
+    from tests._models import tiny_model
+
+    tiling.MIN_TILE_TOKENS = 8  # tiles of max(hidden=64, 8) tokens: 2 tiles on rank 0, 4 on rank 1
+    model = tiny_model("llama")
+    for p in model.model.layers.parameters():
+        p.ds_status = "NOT_AVAILABLE"  # what `_zero3` looks for; gathering itself is not exercised
+    counts: list[int] = []
+    original = tiled_layer._TiledLayer.run
+    tiled_layer._TiledLayer.run = lambda self, *a: counts.append(a[-1]) or original(self, *a)
+    ids = torch.randint(0, 128, (1, 128 * (rank + 1)), generator=torch.Generator().manual_seed(rank))
+    with tiled_layer.enable_tiled_layer(model, True), record_collectives() as stats:
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+    return {"all_reduce": stats.ops["all_reduce"].calls if "all_reduce" in stats.ops else 0, "tiles": counts}
+
+
+def test_automatic_tiles_agree_across_ranks_under_zero3():
+    # ZeRO-3 gathers weights per module call: ranks with different lengths must make the same calls.
+    results = run_distributed(_zero3_tiles_worker, 2, timeout=180)
+    assert [r["tiles"] for r in results] == [[4] * 4] * 2  # the larger count, every layer, every forward
+    assert [r["all_reduce"] for r in results] == [2, 2]  # one per forward, none in backward
