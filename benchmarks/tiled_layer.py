@@ -8,6 +8,7 @@ on CPU offloading is plain checkpointing), then the same with `tiled_layer` inst
 two are refused together: a tiled layer is its own checkpoint). The length is chosen so that one layer's
 `[tokens, hidden]` tensors dominate (the weights are small). Memory: a dispatch mode counts the bytes of every
 tensor storage created in the step (forward and backward) until it is freed; the peak is the worst rank's.
+The peak also splits into what the forward keeps for backward and the transients above it.
 Time: the median of `--steps` timed steps (forward + backward, no dispatch mode), slowest rank. Results go to
 `benchmarks/results/<date>-tiled-layer.{json,md}`.
 """
@@ -67,13 +68,18 @@ def measure(
     step()  # warm-up: lazily built state, allocator
     mode = live_bytes_mode()
     with mode:
-        step()
+        loss = model(**shard, labels=shift, shift_labels=shift).loss
+        kept = mode.live  # what the forward leaves for backward (saved tensors, the loss)
+        loss.backward()
+        del loss
+        model.zero_grad(set_to_none=True)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak": mode.peak, "step_s": statistics.median(times), "tokens_per_rank": shard["input_ids"].shape[1]}
+    tokens = shard["input_ids"].shape[1]
+    return {"peak": mode.peak, "kept": kept, "step_s": statistics.median(times), "tokens_per_rank": tokens}
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, Any]) -> str:
@@ -82,6 +88,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, 
         ("configuration", lambda r: r["name"]),
         ("peak MiB", lambda r: R.fmt(r["peak"], ".1f", R.MiB)),
         ("x", lambda r: R.fmt(H.ratio(r["peak"], base["peak"]), ".2f")),
+        ("kept for backward MiB", lambda r: R.fmt(r["kept"], ".1f", R.MiB)),
+        ("peak - kept MiB", lambda r: R.fmt(r["peak"] - r["kept"], ".1f", R.MiB)),
+        ("x", lambda r: R.fmt(H.ratio(r["peak"] - r["kept"], base["peak"] - base["kept"]), ".2f")),
         ("step s", lambda r: R.fmt(r["step_s"], ".3f")),
         ("x", lambda r: R.fmt(H.ratio(r["step_s"], base["step_s"]), ".2f")),
     ]
@@ -96,7 +105,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, 
         f"rank is {R.fmt(one_layer, '.1f', R.MiB)} MiB. All flags = gradient checkpointing, tiled_loss, tiled_mlp "
         "(automatic tiles), offload_activations; + tiled_layer (automatic tiles of max(hidden, 1024) tokens) "
         "replaces offload_activations (refused together; on CPU offload is checkpointing). Peak = bytes of the "
-        "storages created in one forward + backward, worst rank; step = median step time, slowest rank.",
+        "storages created in one forward + backward, worst rank; kept = what is alive when the forward returns (the "
+        "layers' checkpointed inputs, the final norm's and tiled_loss's saved tensors: the same with or without "
+        "tiled_layer); peak - kept = the backward's transients, what tiled_layer cuts; step = median step time, "
+        "slowest rank.",
         "",
         *R.table(columns, rows),
         "",
@@ -124,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         if record["status"] == "ok":
             ranks = record["result"]["ranks"]
-            rows.append(
-                {"name": name, "peak": max(r["peak"] for r in ranks), "step_s": max(r["step_s"] for r in ranks)}
-            )
+            worst = max(ranks, key=lambda r: r["peak"])
+            rows.append({"name": name, "peak": worst["peak"], "kept": worst["kept"]})
+            rows[-1]["step_s"] = max(r["step_s"] for r in ranks)
             print(f"{name}: peak {rows[-1]['peak'] / R.MiB:.1f} MiB, step {rows[-1]['step_s']:.3f} s", flush=True)
     meta = session.finish(lambda r: r["spec"]["name"])
     if len(rows) == 2:
