@@ -50,6 +50,7 @@ def test_trainer_with_tiled_layer_matches_without(world_size, out_root, record_p
     for rank_runs in _runs(world_size, out_root):
         on, off = rank_runs[("trainer", "on")], rank_runs[("trainer", "off")]
         assert rank_runs[("trainer", "off", "calls")] == 0 and rank_runs[("trainer", "on", "calls")] > 0
+        assert on["wrapped"] == off["wrapped"] == "DistributedDataParallel"  # its gradient hooks see the tiles
         worst = U.compare_logs(on["logs"], off["logs"], ("loss", "grad_norm"), RTOL)
         assert set(worst) == {"loss", "grad_norm"} and len(off["logs"]) == 2
         assert U.rel_diff(on["eval_loss"][7], off["eval_loss"][7]) <= RTOL
