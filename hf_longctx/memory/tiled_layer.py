@@ -28,6 +28,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_longctx.attention.kernels import SequenceContext
+from hf_longctx.attention.registry import _HANDLE_ATTR as SP_HANDLE_ATTR
+from hf_longctx.attention.registry import CONTEXT_KWARG as SP_CONTEXT_KWARG
 from hf_longctx.attention.ulysses import check_shard, head_index, head_layout
 from hf_longctx.distributed.comm import all_to_all
 from hf_longctx.memory.tile_attention import plan_pieces, tile_attention
@@ -39,8 +41,6 @@ logger = logging.getLogger(__name__)
 LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 HEAD_NORMS = ("q_norm", "k_norm")
-SP_HANDLE_ATTR = "_hf_longctx_sp_handle"  # attention.registry's handle on the model (not imported: no cycle)
-SP_CONTEXT_KWARG = "hf_longctx_sp_context"
 _REFERENCE_MODULES = ("llama", "qwen2", "qwen3", "mistral")
 _LOGGED: set[str] = set()
 
