@@ -1,6 +1,6 @@
 """Per-rank peak memory and step time of a training step with and without `tiled_layer` (CPU, Ulysses SP=2).
 
-    python -m benchmarks.tiled_layer [--seq 16384] [--hidden 256] [--heads 8] [--kv-heads 2] [--layers 2]
+    python -m benchmarks.tiled_layer [--seq 16384] [--hidden 256] [--heads 8] [--kv-heads 2] [--tile-tokens 1024]
 
 Each rank runs a tiny Llama (fp32, sdpa, one document) on its shard under Ulysses SP with every memory flag that
 exists besides `tiled_layer` ("all flags": gradient checkpointing, tiled_loss, tiled_mlp, offload_activations;
@@ -35,7 +35,16 @@ CONFIGS = {
 
 
 def measure(
-    rank: int, world: int, seq: int, hidden: int, heads: int, kv_heads: int, layers: int, steps: int, flags: dict
+    rank: int,
+    world: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    layers: int,
+    steps: int,
+    flags: dict,
+    tile_tokens: int,
 ) -> dict:
     """One measured step (peak bytes) and `steps` timed ones on this rank (see the module docstring)."""
     import torch
@@ -45,7 +54,7 @@ def measure(
     from hf_longctx.memory import apply_memory_flags, tiling
 
     torch.set_num_threads(1)
-    tiling.MIN_TILE_TOKENS = 1024  # automatic tiles of max(hidden, 1024) tokens for this small hidden size
+    tiling.MIN_TILE_TOKENS = tile_tokens  # automatic tiles (tiled_mlp and tiled_layer) of max(hidden, this)
     groups = hf_longctx.SequenceParallelGroups.build(world)
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -103,7 +112,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, 
         f"Llama, hidden {shape['hidden']}, {shape['heads']} / {shape['kv_heads']} heads, {shape['layers']} layers, "
         f"{R.seq(shape['seq'])} tokens (one document) over 2 ranks, sdpa, fp32; one `[tokens, hidden]` tensor per "
         f"rank is {R.fmt(one_layer, '.1f', R.MiB)} MiB. All flags = gradient checkpointing, tiled_loss, tiled_mlp "
-        "(automatic tiles), offload_activations; + tiled_layer (automatic tiles of max(hidden, 1024) tokens) "
+        f"(automatic tiles), offload_activations; + tiled_layer (automatic tiles); both flags' tiles hold "
+        f"max(hidden, {shape['tile_tokens']}) tokens. tiled_layer "
         "replaces offload_activations (refused together; on CPU offload is checkpointing). Peak = bytes of the "
         "storages created in one forward + backward, worst rank; kept = what is alive when the forward returns (the "
         "layers' checkpointed inputs, the final norm's and tiled_loss's saved tensors: the same with or without "
@@ -124,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tile-tokens", type=int, default=1024, help="MIN_TILE_TOKENS (tiles of max(hidden, this))")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
-    shape = {k: getattr(args, k) for k in ("seq", "hidden", "heads", "kv_heads", "layers")}
+    shape = {k: getattr(args, k) for k in ("seq", "hidden", "heads", "kv_heads", "layers", "tile_tokens")}
     session = H.Session("python -m benchmarks.tiled_layer", argv, Path("/tmp/hf_longctx_tiled_layer"))
     rows = []
     for name, flags in CONFIGS.items():
