@@ -17,6 +17,7 @@ from hf_longctx.attention.head_chunks import check_chunks_backend
 from hf_longctx.attention.ring.attention import VARIANTS as RING_VARIANTS
 from hf_longctx.data.layout import LAYOUTS as RING_LAYOUTS
 from hf_longctx.distributed.groups import validate_sp_size
+from hf_longctx.memory.tiling import check_flag_pairs
 
 UPSTREAM_BACKENDS = ("deepspeed",)
 
@@ -70,6 +71,15 @@ class ParallelismConfig(_AccelerateParallelismConfig):
             "max(hidden_size, 4096) tokens, an integer = that many tiles. MoE routed experts stay untiled (logged)."
         },
     )
+    tiled_layer: bool | int = field(
+        default=False,
+        metadata={
+            "help": "Run each Llama-family decoder layer (Llama, Qwen2/3, Mistral structure) over the sequence in "
+            "tiles, forward and recompute: only the layer's input/output and K/V are sequence-long; it tiles that "
+            "layer's MLP too. True = tiles of max(hidden_size, 4096) tokens, an integer = that many tiles. Other "
+            "layers, ring and hybrid SP run untiled (logged)."
+        },
+    )
     offload_activations: bool = field(
         default=False,
         metadata={
@@ -96,7 +106,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         if self.sp_backend in UPSTREAM_BACKENDS:
             if self.memory_enabled:
                 raise ValueError(
-                    "tiled_loss, tiled_mlp and offload_activations are hf_longctx features; with "
+                    "tiled_loss, tiled_mlp, tiled_layer and offload_activations are hf_longctx features; with "
                     f"sp_backend={self.sp_backend!r} set them to False (or use sp_backend='ulysses')."
                 )
             super().__post_init__()
@@ -170,7 +180,7 @@ class ParallelismConfig(_AccelerateParallelismConfig):
     @property
     def memory_enabled(self) -> bool:
         """True when any of the memory flags is on."""
-        return bool(self.tiled_loss or self.tiled_mlp or self.offload_activations)
+        return bool(self.tiled_loss or self.tiled_mlp or self.tiled_layer or self.offload_activations)
 
     @property
     def sp_upstream(self) -> bool:
@@ -191,6 +201,8 @@ def _check_memory_flags(config: ParallelismConfig) -> None:
         raise ValueError(f"tiled_loss must be True, False or 'liger', got {config.tiled_loss!r}.")
     if not isinstance(config.offload_activations, bool):
         raise ValueError(f"offload_activations must be True or False, got {config.offload_activations!r}.")
-    tiles = config.tiled_mlp
-    if not isinstance(tiles, bool) and not (isinstance(tiles, int) and tiles >= 1):
-        raise ValueError(f"tiled_mlp must be True, False or a tile count >= 1, got {tiles!r}.")
+    for name in ("tiled_mlp", "tiled_layer"):
+        tiles = getattr(config, name)
+        if not isinstance(tiles, bool) and not (isinstance(tiles, int) and tiles >= 1):
+            raise ValueError(f"{name} must be True, False or a tile count >= 1, got {tiles!r}.")
+    check_flag_pairs(config)

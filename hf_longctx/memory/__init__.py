@@ -9,6 +9,9 @@ model it prepares, with or without SP). Per rank holding `n` tokens of hidden si
   `[n, h]` hidden-state gradients and a `[V, h]` float32 weight gradient from forward to backward.
 - `tiled_mlp`: an MLP keeps only its input `[n, h]`; backward recomputes `[n / tiles, I]`
   intermediates one tile at a time (`tiles = ceil(n / max(h, 4096))` by default).
+- `tiled_layer`: a Llama-family decoder layer keeps its input `[n, h]` and its K/V; forward and
+  backward run every token-local part (norms, projections, attention per query tile, MLP) one
+  `[n / tiles, ...]` tile at a time (`tiles = ceil(n / max(h, 4096))` by default).
 - `offload_activations`: every layer is checkpointed and its saved input (`[n, h]` per layer) lives
   in host memory; the accelerator holds at most two layers' inputs (the one recomputed and the one
   prefetched) plus one layer's recompute.

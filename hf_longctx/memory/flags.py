@@ -8,8 +8,12 @@ from typing import Any
 import torch
 
 from hf_longctx.memory.offload import enable_offload_activations
+from hf_longctx.memory.tiled_layer import enable_tiled_layer
 from hf_longctx.memory.tiled_loss import enable_tiled_loss
 from hf_longctx.memory.tiled_mlp import enable_tiled_mlp
+from hf_longctx.memory.tiling import check_flag_pairs
+
+FLAG_NAMES = ("tiled_loss", "tiled_mlp", "tiled_layer", "offload_activations")
 
 
 class MemoryHandle:
@@ -34,15 +38,21 @@ class MemoryHandle:
 
 def memory_flags_enabled(config: Any) -> bool:
     """True when `config` (e.g. `hf_longctx.ParallelismConfig`) turns any memory flag on."""
-    return any(getattr(config, name, False) for name in ("tiled_loss", "tiled_mlp", "offload_activations"))
+    return any(
+        getattr(config, name, False) for name in ("tiled_loss", "tiled_mlp", "tiled_layer", "offload_activations")
+    )
 
 
 def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:
-    """Apply `config.tiled_loss`, `config.tiled_mlp` and `config.offload_activations` to `model`.
+    """Apply `config.tiled_loss`, `config.tiled_mlp`, `config.tiled_layer` and `config.offload_activations` to `model`.
+
+    `tiled_layer` goes before `tiled_mlp`, which then leaves the MLPs of tiled layers alone (the layer
+    tiles them). `tiled_layer` with `offload_activations` is refused: a tiled layer is its own checkpoint
+    and keeps its input on the accelerator, which offloading would silently not move.
 
     Args:
         model: the unwrapped transformers model (before or after DDP / FSDP2 / DeepSpeed wrapping).
-        config: any object with those three attributes (missing ones count as off).
+        config: any object with those attributes (missing ones count as off).
 
     Returns:
         A handle; `.remove()` restores the model. Applying all-off flags returns an empty handle.
@@ -51,10 +61,12 @@ def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:
         ValueError: a flag cannot apply to this model (the message names the flag to turn off);
             nothing stays applied.
     """
+    check_flag_pairs(config)
     handle = MemoryHandle(model)
     steps = [
         ("offload_activations", lambda: enable_offload_activations(model)),
-        ("tiled_mlp", lambda: enable_tiled_mlp(model, config.tiled_mlp)),
+        ("tiled_layer", lambda: enable_tiled_layer(model, config.tiled_layer)),
+        ("tiled_mlp", lambda: enable_tiled_mlp(model, config.tiled_mlp, _tiled_layer_mlps(handle))),
         ("tiled_loss", lambda: enable_tiled_loss(model, config.tiled_loss)),
     ]
     try:
@@ -67,3 +79,8 @@ def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:
         handle.remove()
         raise
     return handle
+
+
+def _tiled_layer_mlps(handle: MemoryHandle) -> list[torch.nn.Module]:
+    part = handle.parts.get("tiled_layer")
+    return part.mlps if part is not None else []

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -43,8 +43,11 @@ def _mixes_tokens(module: torch.nn.Module) -> bool:
     return any(isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d)) for m in module.modules())
 
 
-def find_tiled_mlps(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
-    """The dense MLPs `tiled_mlp` tiles, and the class names of the blocks it leaves untiled."""
+def find_tiled_mlps(
+    model: torch.nn.Module, skip: Collection[torch.nn.Module] = ()
+) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
+    """The dense MLPs `tiled_mlp` tiles (not those in `skip`), and the class names of the blocks it leaves untiled."""
+    skipped_ids = {id(m) for m in skip}
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     found: list[tuple[str, torch.nn.Module]] = []
@@ -54,7 +57,7 @@ def find_tiled_mlps(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Mo
             continue
         for child_name in MLP_NAMES:
             block = getattr(layer, child_name, None)
-            if not isinstance(block, torch.nn.Module):
+            if not isinstance(block, torch.nn.Module) or id(block) in skipped_ids:
                 continue
             if _mixes_tokens(block):
                 skipped.append(type(block).__name__)
@@ -145,7 +148,9 @@ class TiledMLPHandle:
             self._undo.pop()()
 
 
-def enable_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> TiledMLPHandle:
+def enable_tiled_mlp(
+    model: torch.nn.Module, tiles: bool | int = True, skip: Collection[torch.nn.Module] = ()
+) -> TiledMLPHandle:
     """Tile the dense MLPs of `model` along the sequence (see the module docstring).
 
     Args:
@@ -161,7 +166,7 @@ def enable_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> TiledM
     """
     if not (tiles is True or (isinstance(tiles, int) and not isinstance(tiles, bool) and tiles >= 1)):
         raise ValueError(f"tiled_mlp must be True or a tile count >= 1, got {tiles!r}.")
-    found, skipped = find_tiled_mlps(model)
+    found, skipped = find_tiled_mlps(model, skip)
     handle = TiledMLPHandle(model, [name for name, _ in found], sorted(set(skipped)))
     agreed = _AgreedTiles()
     handle._undo.append(model.register_forward_pre_hook(agreed.new_forward).remove)

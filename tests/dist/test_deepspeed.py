@@ -57,6 +57,12 @@ def _train(
     from tests._models import tiny_model
 
     results = {}
+    tiled_calls: list[int] = []
+    if (flags or {}).get("tiled_layer"):
+        from hf_longctx.memory import tiled_layer
+
+        original = tiled_layer._TiledLayer.run
+        tiled_layer._TiledLayer.run = lambda self, *a: tiled_calls.append(1) or original(self, *a)
     for stage in stages:
         ds_config = None
         if stage is not None:
@@ -98,6 +104,7 @@ def _train(
         trainer.train()
         assert trainer.model.config._attn_implementation.startswith("hf_longctx_") == (world_size > 1)
         results[stage] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        assert bool(tiled_calls) == bool((flags or {}).get("tiled_layer"))  # the tiled layers did run
     return results
 
 
@@ -133,6 +140,18 @@ def test_zero3_sp2_with_memory_flags_matches_single_process(tmp_path, reference)
     # tiled loss (its weight gradient reaches a partitioned lm_head), tiled MLP (per-tile weight gathers),
     # offloaded checkpoints: ZeRO-1 and ZeRO-2 pass the same comparison (run by hand, see the README).
     flags = {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True}
+    sp = run_distributed(_train, 2, str(tmp_path), [3], None, flags, timeout=300)[0][3]
+    assert len(sp) == len(reference) == STEPS
+    for (loss, norm), (ref_loss, ref_norm) in zip(sp, reference, strict=True):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm)
+
+
+@pytest.mark.slow
+def test_zero3_sp2_with_tiled_layer_matches_single_process(tmp_path, reference):
+    # tiled_layer: every tile's projections, norms and MLP gather their partitioned weights, K/V are recomputed
+    # in backward (gathering k/v weights again), and each parameter's gradient reaches ZeRO-3's hook once.
+    flags = {"tiled_layer": 3, "tiled_loss": True, "tiled_mlp": True}
     sp = run_distributed(_train, 2, str(tmp_path), [3], None, flags, timeout=300)[0][3]
     assert len(sp) == len(reference) == STEPS
     for (loss, norm), (ref_loss, ref_norm) in zip(sp, reference, strict=True):

@@ -20,7 +20,7 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, 128, (1, 45), generator=g) for _ in range(STEPS)]
 
 
-def _train(rank: int, world_size: int) -> list[tuple[float, dict[str, torch.Tensor]]]:
+def _train(rank: int, world_size: int, tiled: bool = False) -> list[tuple[float, dict[str, torch.Tensor]]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -30,9 +30,16 @@ def _train(rank: int, world_size: int) -> list[tuple[float, dict[str, torch.Tens
 
     model = tiny_model("llama", num_heads=4, num_kv_heads=2)
     sp = world_size > 1
+    calls: list[int] = []
     groups = hf_longctx.SequenceParallelGroups.build(world_size) if sp else hf_longctx.SequenceParallelGroups.single()
     if sp:
         hf_longctx.enable_sequence_parallel(model, groups)
+        if tiled:  # applied before wrapping, as the Trainer integration does
+            from hf_longctx.memory import tiled_layer
+
+            assert len(tiled_layer.enable_tiled_layer(model, 3).layers) == 2
+            original = tiled_layer._TiledLayer.run
+            tiled_layer._TiledLayer.run = lambda self, *a: calls.append(1) or original(self, *a)
         mesh = init_device_mesh("cpu", (world_size,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -52,12 +59,21 @@ def _train(rank: int, world_size: int) -> list[tuple[float, dict[str, torch.Tens
         optimizer.step()
         optimizer.zero_grad()
         out.append((loss.item(), grads))
+    assert len(calls) == (2 * STEPS if tiled else 0)  # every layer of every step ran tiled
     return out
 
 
 def test_fully_shard_sp2_matches_single_process():
-    reference = run_distributed(_train, 1, timeout=120)[0]
-    sp = run_distributed(_train, 2, timeout=180)[0]
+    _assert_matches(run_distributed(_train, 2, timeout=180)[0], run_distributed(_train, 1, timeout=120)[0])
+
+
+def test_fully_shard_sp2_with_tiled_layer_matches_single_process():
+    # Every tile (and the K/V recompute in backward) runs inside FSDP2's unshard window of its layer, and each
+    # parameter's gradient reaches the reduce-scatter once.
+    _assert_matches(run_distributed(_train, 2, True, timeout=180)[0], run_distributed(_train, 1, timeout=120)[0])
+
+
+def _assert_matches(sp: list, reference: list) -> None:
     for (loss, grads), (ref_loss, ref_grads) in zip(sp, reference, strict=True):
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
         for name, ref in ref_grads.items():
