@@ -17,7 +17,6 @@ from hf_longctx.attention.head_chunks import check_chunks_backend
 from hf_longctx.attention.ring.attention import VARIANTS as RING_VARIANTS
 from hf_longctx.data.layout import LAYOUTS as RING_LAYOUTS
 from hf_longctx.distributed.groups import validate_sp_size
-from hf_longctx.memory.tiling import check_flag_pairs
 
 UPSTREAM_BACKENDS = ("deepspeed",)
 
@@ -205,4 +204,3 @@ def _check_memory_flags(config: ParallelismConfig) -> None:
         tiles = getattr(config, name)
         if not isinstance(tiles, bool) and not (isinstance(tiles, int) and tiles >= 1):
             raise ValueError(f"{name} must be True, False or a tile count >= 1, got {tiles!r}.")
-    check_flag_pairs(config)

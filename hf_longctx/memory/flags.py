@@ -11,7 +11,6 @@ from hf_longctx.memory.offload import enable_offload_activations
 from hf_longctx.memory.tiled_layer import enable_tiled_layer
 from hf_longctx.memory.tiled_loss import enable_tiled_loss
 from hf_longctx.memory.tiled_mlp import enable_tiled_mlp
-from hf_longctx.memory.tiling import check_flag_pairs
 
 FLAG_NAMES = ("tiled_loss", "tiled_mlp", "tiled_layer", "offload_activations")
 
@@ -47,8 +46,8 @@ def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:
     """Apply `config.tiled_loss`, `config.tiled_mlp`, `config.tiled_layer` and `config.offload_activations` to `model`.
 
     `tiled_layer` goes before `tiled_mlp`, which then leaves the MLPs of tiled layers alone (the layer
-    tiles them). `tiled_layer` with `offload_activations` is refused: a tiled layer is its own checkpoint
-    and keeps its input on the accelerator, which offloading would silently not move.
+    tiles them). With `offload_activations` too, each tiled layer runs under the offload's checkpoint (its
+    input kept in host memory; see `memory/tiled_layer.py`).
 
     Args:
         model: the unwrapped transformers model (before or after DDP / FSDP2 / DeepSpeed wrapping).
@@ -61,7 +60,6 @@ def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:
         ValueError: a flag cannot apply to this model (the message names the flag to turn off);
             nothing stays applied.
     """
-    check_flag_pairs(config)
     handle = MemoryHandle(model)
     steps = [
         ("offload_activations", lambda: enable_offload_activations(model)),

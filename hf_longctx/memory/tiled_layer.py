@@ -9,7 +9,9 @@ whole K/V (`tile_attention`: LSE kernels, per-document causal), o_proj, residual
 residual. Only the layer's input and output and K/V are sequence-long; everything else is one tile.
 From forward to backward a tiled layer keeps only its input: the tiles' saved K/V are recomputed once
 in backward (`_RecomputedKV`), so the layer is its own activation checkpoint (transformers' layer
-checkpointing, which wraps the class forward, is bypassed for tiled layers). Under Ulysses SP the
+checkpointing, which wraps the class forward, is bypassed for tiled layers; with `offload_activations`
+the whole tiled layer runs under the offload's checkpoint, so its input is kept in host memory and backward
+runs its tiled forward once more). Under Ulysses SP the
 keys/values are exchanged to head shards once per layer, and each query tile's queries and attention
 output are exchanged around its attention. Layers of another structure (or
 sliding windows, MoE, soft-capping, sinks, dropout) and ring / hybrid SP run untiled, logged once.
@@ -32,6 +34,7 @@ from hf_longctx.attention.registry import _HANDLE_ATTR as SP_HANDLE_ATTR
 from hf_longctx.attention.registry import CONTEXT_KWARG as SP_CONTEXT_KWARG
 from hf_longctx.attention.ulysses import check_shard, head_index, head_layout
 from hf_longctx.distributed.comm import all_to_all
+from hf_longctx.memory.offload import offloaded_checkpoint
 from hf_longctx.memory.tile_attention import plan_pieces, tile_attention
 from hf_longctx.memory.tiled_mlp import _AgreedTiles, _is_moe, _mixes_tokens, _restore_forward, _zero3
 from hf_longctx.memory.tiling import auto_tiles
@@ -151,7 +154,15 @@ class _TiledLayer:
             return self.original(hidden_states, *args, **kwargs)
         context = self.state.context(hidden_states, kwargs, sp)
         groups = sp.groups if sp is not None and sp.groups.sp_world_size > 1 else None
-        return self.run(hidden_states, embeddings, context, groups, n)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return self.run(x, embeddings, context, groups, n)
+
+        if _offloaded(self.layer):
+            # offload_activations: the whole tiled layer is checkpointed once more under the offload's hooks, so
+            # its input waits for backward in host memory; its recompute runs the tiled forward again.
+            return self.layer._gradient_checkpointing_func(run, hidden_states)
+        return run(hidden_states)
 
     def whole_keys_values(self, parts: list[tuple], groups, run: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
         """K/V of the whole sequence (Ulysses: this rank's kv heads of the whole sequence), tile by tile."""
@@ -222,6 +233,13 @@ class _RecomputedKV:
     def forget(self) -> None:
         """End of the forward: hold no reference to the forward's K/V."""
         self.kept = ()
+
+
+def _offloaded(layer: torch.nn.Module) -> bool:
+    """Whether `offload_activations` wraps this layer's checkpoint (and it trains with gradients)."""
+    func = layer.__dict__.get("_gradient_checkpointing_func")
+    active = layer.gradient_checkpointing and layer.training and torch.is_grad_enabled()
+    return active and isinstance(func, functools.partial) and func.func is offloaded_checkpoint
 
 
 def _call(function: Callable[..., Any], *args: Any) -> Any:

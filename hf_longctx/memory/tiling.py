@@ -2,13 +2,11 @@
 
 `tile_tokens` sizes `tiled_loss`'s logit tiles (`lm_head.py`), `auto_tiles` counts `tiled_mlp`'s
 sequence tiles (`tiled_mlp.py`, `tiled_layer.py`); `hf_longctx.planner` imports both without importing torch.
-`check_flag_pairs` refuses the flags that do not combine (config and `apply_memory_flags` both call it).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 # Logits per tile: 2**24 (64 MiB in float32). The loss works on one such buffer in place (exp and
 # gradient overwrite the logits; TRL's fields keep a second one for exp), so it adds ~64-128 MiB
@@ -30,13 +28,3 @@ def auto_tiles(tokens: int, hidden_size: int) -> int:
     tokens (DeepSpeed's `ceil(seqlen / hidden)` rule) a tile's `[tile, intermediate]` activations
     are no larger than the `[hidden, intermediate]` weight; small models keep 4096-token tiles."""
     return max(1, math.ceil(tokens / max(hidden_size, MIN_TILE_TOKENS)))
-
-
-def check_flag_pairs(config: Any) -> None:
-    """Raise a `ValueError` for flags that do not combine (`tiled_layer` with `offload_activations`)."""
-    if getattr(config, "tiled_layer", False) and getattr(config, "offload_activations", False):
-        raise ValueError(
-            "tiled_layer and offload_activations do not combine yet: a tiled layer is its own activation "
-            "checkpoint and keeps its input on the accelerator; set offload_activations=False (tiled_layer "
-            "already keeps only each layer's input) or tiled_layer=False."
-        )

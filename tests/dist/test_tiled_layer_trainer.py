@@ -1,7 +1,8 @@
 """`tiled_layer` through the stock `Trainer` and TRL's `SFTTrainer`: every logged step's loss and grad_norm
 (SFT: also token accuracy, entropy, token count) and the eval losses equal the same run without it, at SP=1
 (one process, right-padded rows) and Ulysses SP=2, with gradient accumulation, packing and completion-only
-labels, with tiled_loss and tiled_mlp on too."""
+labels, with tiled_loss, tiled_mlp and offload_activations on too (the tiled layers then run under the
+offload's checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from tests.dist import _trainer_utils as U
 
 RTOL = 1e-5
-FLAGS = {"tiled_layer": 2, "tiled_loss": True, "tiled_mlp": True}
+FLAGS = {"tiled_layer": 2, "tiled_loss": True, "tiled_mlp": True, "offload_activations": True}
 TRAINER = {"ga": 2, "steps": 2, "eval_data": (("eval", 7),)}
 SFT = {"packing": True, "data": ("completion", 40), "completion_only": True, "eval_data": {"even": ("plain", 8)}}
 

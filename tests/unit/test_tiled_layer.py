@@ -1,5 +1,5 @@
 """`tiled_layer` in one process (SP=1): on vs off gives the same loss and every parameter's gradient for
-several tile counts (some not dividing the length), packed rows, gradient checkpointing and offload, the
+several tile counts (some not dividing the length), packed rows, gradient checkpointing, offload, the
 tile attention equals dense attention, unsupported layers stay untiled, and the handle restores the model."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_tiled_layer_matches_loss_and_every_gradient(arch, packed):
         assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (tiles, loss_err, grad_err)
 
 
-def test_tiled_layer_with_checkpointing_and_the_other_flags_and_offload_is_refused():
+def test_tiled_layer_with_checkpointing_and_the_other_flags():
     model = tiny_model("llama")
     batch = _batch(packed=True)
     ref, ref_grads = _loss_and_grads(model, batch)
@@ -72,11 +72,35 @@ def test_tiled_layer_with_checkpointing_and_the_other_flags_and_offload_is_refus
         loss, grads = _loss_and_grads(model, batch)
     loss_err, grad_err = _max_errors(loss, grads, ref, ref_grads)
     assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL
-    with pytest.raises(ValueError, match="offload_activations=False"):
-        apply_memory_flags(model, SimpleNamespace(tiled_layer=True, offload_activations=True))
-    with pytest.raises(ValueError, match="offload_activations=False"):
-        ParallelismConfig(tiled_layer=True, offload_activations=True)
     assert "forward" not in model.model.layers[0].__dict__  # nothing stays applied
+
+
+def test_tiled_layer_with_offload_keeps_each_layer_input_on_the_host(monkeypatch):
+    """With offload_activations the whole tiled layer runs under the offload's checkpoint: its input is
+    copied to the host (always_copy: the accelerator's path on CPU), one per layer, and it stays exact."""
+    from hf_longctx.memory import offload
+
+    model = tiny_model("llama").train()
+    batch = _batch(packed=True)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    saved = []
+    pack = offload.HostOffload._pack
+
+    def recording(self, group, inputs, t):
+        out = pack(self, group, inputs, t)
+        saved.extend([out] if isinstance(out, offload._Saved) else [])
+        return out
+
+    monkeypatch.setattr(offload.HostOffload, "_pack", recording)
+    ParallelismConfig(tiled_layer=True, offload_activations=True)  # the pair is accepted
+    offloaded = offload.enable_offload_activations(model, always_copy=True)
+    with enable_tiled_layer(model, 3) as handle:
+        assert len(handle.layers) == 2
+        loss, grads = _loss_and_grads(model, batch)
+    offloaded.remove()
+    assert len(saved) == 2 and all(s.host.shape == (2, 37, model.config.hidden_size) for s in saved)
+    loss_err, grad_err = _max_errors(loss, grads, ref, ref_grads)
+    assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (loss_err, grad_err)
 
 
 def test_a_tiled_layer_keeps_only_its_input_until_backward(monkeypatch):
