@@ -153,7 +153,7 @@ COLUMNS: list[_results.Column] = [
 
 
 def config_refusal(flags: dict[str, Any]) -> str | None:
-    """`ParallelismConfig`'s refusal of the flags (a pair the implementation does not combine yet), or None:
+    """`ParallelismConfig`'s refusal of the flags (e.g. a pair that does not combine), or None:
     refused, every rung fails unrun with its message rather than as a crashed job."""
     import hf_longctx
 

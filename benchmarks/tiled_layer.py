@@ -4,8 +4,9 @@
 
 Each rank runs a tiny Llama (fp32, sdpa, one document) on its shard under Ulysses SP with every memory flag that
 exists besides `tiled_layer` ("all flags": gradient checkpointing, tiled_loss, tiled_mlp, offload_activations;
-on CPU offloading is plain checkpointing), then the same with `tiled_layer` instead of offload_activations (the
-two are refused together: a tiled layer is its own checkpoint). The length is chosen so that one layer's
+on CPU offloading is plain checkpointing), then the same plus `tiled_layer` (each tiled layer then runs under the
+offload's checkpoint: one more tiled forward in backward), and `tiled_layer` without offload_activations (a tiled
+layer is its own checkpoint). The length is chosen so that one layer's
 `[tokens, hidden]` tensors dominate (the weights are small). Memory: a dispatch mode counts the bytes of every
 tensor storage created in the step (forward and backward) until it is freed; the peak is the worst rank's.
 The peak also splits into what the forward keeps for backward and the transients above it.
@@ -30,7 +31,8 @@ TARGET = "benchmarks.tiled_layer:measure"
 ALL_FLAGS = {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True}
 CONFIGS = {
     "all flags": ALL_FLAGS,
-    "all flags + tiled_layer": {"tiled_loss": True, "tiled_mlp": True, "tiled_layer": True},
+    "all flags + tiled_layer": {**ALL_FLAGS, "tiled_layer": True},
+    "tiled_layer, no offload": {"tiled_loss": True, "tiled_mlp": True, "tiled_layer": True},
 }
 
 
@@ -113,12 +115,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], shape: dict[str, 
         f"{R.seq(shape['seq'])} tokens (one document) over 2 ranks, sdpa, fp32; one `[tokens, hidden]` tensor per "
         f"rank is {R.fmt(one_layer, '.1f', R.MiB)} MiB. All flags = gradient checkpointing, tiled_loss, tiled_mlp "
         f"(automatic tiles), offload_activations; + tiled_layer (automatic tiles); both flags' tiles hold "
-        f"max(hidden, {shape['tile_tokens']}) tokens. tiled_layer "
-        "replaces offload_activations (refused together; on CPU offload is checkpointing). Peak = bytes of the "
-        "storages created in one forward + backward, worst rank; kept = what is alive when the forward returns (the "
-        "layers' checkpointed inputs, the final norm's and tiled_loss's saved tensors: the same with or without "
-        "tiled_layer); peak - kept = the backward's transients, what tiled_layer cuts; step = median step time, "
-        "slowest rank.",
+        f"max(hidden, {shape['tile_tokens']}) tokens. With offload_activations too, each tiled layer runs "
+        "under the offload's checkpoint (on CPU offload is checkpointing: one more tiled forward in "
+        "backward). Peak = bytes of the storages created in one forward + backward, worst rank; kept = what "
+        "is alive when the forward returns (the layers' checkpointed inputs, the final norm's and "
+        "tiled_loss's saved tensors: the same with or without tiled_layer); peak - kept = the backward's "
+        "transients, what tiled_layer cuts; step = median step time, slowest rank.",
         "",
         *R.table(columns, rows),
         "",
