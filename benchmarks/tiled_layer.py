@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
     shape = {k: getattr(args, k) for k in ("seq", "hidden", "heads", "kv_heads", "layers", "tile_tokens")}
-    session = H.Session("python -m benchmarks.tiled_layer", argv, Path("/tmp/hf_longctx_tiled_layer"))
+    session = H.Session("tiled_layer", argv, Path("/tmp/hf_longctx_tiled_layer"))
     rows = []
     for name, flags in CONFIGS.items():
         record = session.run(
