@@ -536,3 +536,15 @@ def compare_logs(
             assert diff <= rtol, f"step {want['step']} {key}: {got[key]!r} vs {want[key]!r} (rel {diff:.2e})"
             worst[key] = max(worst.get(key, 0.0), diff)
     return worst
+
+
+def assert_sft_runs_match(on: dict, off: dict, rtol: float) -> dict[str, float]:
+    """Two `run_sft` results agree: every logged SFT metric, the token counts and every eval metric;
+    returns the worst relative difference per logged metric."""
+    worst = compare_logs(on["logs"], off["logs"], SFT_KEYS, rtol)
+    assert {"loss", "grad_norm", "mean_token_accuracy", "entropy"} <= set(worst)
+    assert [h["num_tokens"] for h in on["logs"]] == [h["num_tokens"] for h in off["logs"]]
+    for name, metrics in off["eval"].items():
+        for key, value in metrics.items():
+            assert rel_diff(on["eval"][name][key], value) <= rtol, (name, key)
+    return worst

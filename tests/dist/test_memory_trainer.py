@@ -63,10 +63,5 @@ def test_sft_trainer_with_flags_matches_without(world_size, out_root, record_pro
     for rank_runs in _runs(world_size, out_root):
         on, off = rank_runs[("sft", "on")], rank_runs[("sft", "off")]
         assert all(on["memory"].values()) and not any(off["memory"].values())
-        worst = U.compare_logs(on["logs"], off["logs"], U.SFT_KEYS, RTOL)
-        assert {"loss", "grad_norm", "mean_token_accuracy", "entropy"} <= set(worst)
-        assert [h["num_tokens"] for h in on["logs"]] == [h["num_tokens"] for h in off["logs"]]
-        for name, metrics in off["eval"].items():
-            for key, value in metrics.items():
-                assert U.rel_diff(on["eval"][name][key], value) <= RTOL, (name, key)
+        worst = U.assert_sft_runs_match(on, off, RTOL)
         record_property(f"sft_max_rel_diff_sp{world_size}", worst)

@@ -126,31 +126,28 @@ def _compare_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
     return max(errors.values())
 
 
-@pytest.mark.parametrize("arch", V.ARCHS)
-def test_vlm_trainer_steps_match(arch, tmp_path, record_property):
-    """The stock Trainer with a VLM collator: per-step loss and grad_norm at SP=2 equal one process's, and
-    every parameter's gradient (after DDP) in the first step."""
-    ref = run_distributed(V.trainer_worker, 1, str(tmp_path / "ref"), arch, {}, timeout=300)[0]
-    runs = run_distributed(V.trainer_worker, 2, str(tmp_path / "sp"), arch, {}, timeout=300)
+def _steps_match(worker, tmp_path, arch: str, *args) -> dict[str, float]:
+    """`worker` in one process and at SP=2: per-step loss and grad_norm, and every first-step gradient."""
+    ref = run_distributed(worker, 1, str(tmp_path / "ref"), arch, *args, timeout=300)[0]
+    runs = run_distributed(worker, 2, str(tmp_path / "sp"), arch, *args, timeout=300)
     worst = {}
     for result in runs:
         assert result["attn"].startswith("hf_longctx_"), result["attn"]
         worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
         worst["first_grads"] = _compare_grads(result["first_grads"], ref["first_grads"])
     assert len(ref["logs"]) == 3 and set(worst) == {"loss", "grad_norm", "first_grads"}
-    record_property("max_rel_diff", worst)
+    return worst
+
+
+@pytest.mark.parametrize("arch", V.ARCHS)
+def test_vlm_trainer_steps_match(arch, tmp_path, record_property):
+    """The stock Trainer with a VLM collator: per-step loss and grad_norm at SP=2 equal one process's, and
+    every parameter's gradient (after DDP) in the first step."""
+    record_property("max_rel_diff", _steps_match(V.trainer_worker, tmp_path, arch, {}))
 
 
 @pytest.mark.parametrize("arch", V.ARCHS)
 def test_vlm_sft_trainer_steps_match(arch, tmp_path, record_property):
     """TRL's SFTTrainer on a vision dataset (PIL images through the model's processor and TRL's vision
     collator): per-step loss and grad_norm at SP=2 equal one process's, and every first-step gradient."""
-    ref = run_distributed(S.sft_worker, 1, str(tmp_path / "ref"), arch, timeout=300)[0]
-    runs = run_distributed(S.sft_worker, 2, str(tmp_path / "sp"), arch, timeout=300)
-    worst = {}
-    for result in runs:
-        assert result["attn"].startswith("hf_longctx_"), result["attn"]
-        worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
-        worst["first_grads"] = _compare_grads(result["first_grads"], ref["first_grads"])
-    assert len(ref["logs"]) == 3 and set(worst) == {"loss", "grad_norm", "first_grads"}
-    record_property("max_rel_diff", worst)
+    record_property("max_rel_diff", _steps_match(S.sft_worker, tmp_path, arch))
