@@ -191,6 +191,12 @@ def _grads_block(dout, q, k, v, out, lse, scale, causal):
     return dq, dk.unflatten(1, (k.shape[1], g)).sum(2), dv.unflatten(1, (k.shape[1], g)).sum(2)
 
 
+def _last_dim_contiguous(*tensors: Tensor | None) -> None:
+    """flash-attn's C++ API reads any batch / row / head stride but needs stride 1 along the head dim."""
+    for t in tensors:
+        assert t is None or t.stride(-1) == 1, f"last dimension not contiguous: stride {t.stride()}"
+
+
 def _record(name: str, **kwargs) -> None:
     assert kwargs.pop("dropout_p") == 0.0 and kwargs.get("softcap", 0.0) == 0.0
     assert kwargs.get("window_size_left", -1) == -1 and kwargs.get("window_size_right", -1) == -1
@@ -203,7 +209,8 @@ def _flash_attn_forward(
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
     window_size_right: int, softcap: float, alibi_slopes: Tensor | None, return_softmax: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    _record("forward", **{k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v")})
+    _last_dim_contiguous(q, k, v)
+    _record("forward", **{k_: v_ for k_, v_ in locals().items() if k_ not in ("q", "k", "v")}, k_ptr=k.data_ptr())
     res = [_lse_block(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])]
     out = torch.stack([o for o, _, _ in res]).to(q.dtype)
     return out, torch.stack([lse for _, lse, _ in res]).float(), q.new_empty(0), torch.zeros(2, dtype=torch.int64)
@@ -216,7 +223,11 @@ def _flash_attn_backward(
     window_size_right: int, softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
     rng_state: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    _record("backward", causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, dropout_p=dropout_p)
+    _last_dim_contiguous(dout, q, k, v, out, dq, dk, dv)
+    _record(
+        "backward", causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, dropout_p=dropout_p,
+        k_ptr=k.data_ptr(), dk_ptr=dk.data_ptr(),
+    )  # fmt: skip
     assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == q.shape[:1] + (q.shape[2], q.shape[1])
     for b in range(q.shape[0]):
         grads = _grads_block(dout[b], q[b], k[b], v[b], out[b], softmax_lse[b], softmax_scale, causal)

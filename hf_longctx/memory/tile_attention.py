@@ -6,12 +6,17 @@ prefix `[doc start, tile start)` plus a square causal block on the diagonal. Bot
 kernels of ring attention (`attention/ring/lse_kernels.py`) and are merged by log-sum-exp, so no mask
 is ever built. Backward calls each piece's kernel backward with the merged output and LSE, which
 gives exact partial gradients (the ring's argument); dK/dV come back full length for autograd to sum
-over tiles.
+over tiles. When no two pieces of a row read the same keys (one query run: no SP, or a tile that one
+rank holds), each piece's kernel writes its dK/dV straight into its slice of those full-length
+gradients (flash-attn writes them itself; the slices are K/V's dtype, so no float32 accumulator is
+needed: each key gets one piece's gradient); under Ulysses the ranks' runs overlap in their document
+prefixes, and the pieces are summed in a float32 accumulator.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +65,18 @@ def plan_pieces(segments: list[list[tuple[int, int]]], spans: list[tuple[int, in
     return tuple(pieces)
 
 
+def keys_disjoint(pieces: tuple[Piece, ...]) -> bool:
+    """Whether no two pieces of a row read the same key (then each key's gradient comes from one piece)."""
+    by_row: dict[int, list[tuple[int, int]]] = {}
+    for p in pieces:
+        by_row.setdefault(p.row, []).append((p.k0, p.k1))
+    for spans in by_row.values():
+        spans.sort()
+        if any(a1 > b0 for (_, a1), (b0, _) in itertools.pairwise(spans)):
+            return False
+    return True
+
+
 def _kernel(q: torch.Tensor, v: torch.Tensor):
     return choose_kernel(q.device.type, q.dtype, masked=False, same_head_size=q.shape[-1] == v.shape[-1])
 
@@ -86,9 +103,10 @@ class _TileAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         acc = lse.dtype
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        direct = keys_disjoint(ctx.pieces)  # dK/dV written in place, in K/V's dtype (module docstring)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # one tile: rows can be in two pieces
+        dk = torch.zeros(k.shape, dtype=k.dtype if direct else acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=v.dtype if direct else acc, device=v.device)
         kernel = _kernel(q, v)
         for p in ctx.pieces:
             r, rows, keys = slice(p.row, p.row + 1), slice(p.q0, p.q1), slice(p.k0, p.k1)
@@ -102,10 +120,12 @@ class _TileAttention(torch.autograd.Function):
                 causal=p.causal,
                 allowed=None,
                 scale=ctx.scale,
+                into=(dk[r, :, keys], dv[r, :, keys]) if direct else None,
             )
             dq[r, :, rows] += gq
-            dk[r, :, keys] += gk
-            dv[r, :, keys] += gv
+            if not direct:
+                dk[r, :, keys] += gk
+                dv[r, :, keys] += gv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

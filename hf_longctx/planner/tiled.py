@@ -2,11 +2,11 @@
 
 `tiled_layer_bytes` is the main function. The layer runs its token-local parts (norms, projections, rotary,
 o_proj, residual adds, MLP) one sequence tile at a time and attention per query tile against the K/V of the
-whole sequence, recomputing each tile in backward (and K/V once). The terms follow the implementation as
-first written on the `tiled` branch (commits ebcd39c, a2c42cc: `memory/tiled_layer.py`,
-`memory/tile_attention.py` and the ring's LSE kernels it calls), read, not measured yet: every term is one
-field of `TiledTerms`, so `plan_validate --tiled` can re-pin them one by one. With `offload_activations` the
-plan is the design's (each layer's input on the host), which that implementation does not run yet.
+whole sequence, recomputing each tile in backward (and K/V once). The terms follow the implementation
+(`memory/tiled_layer.py`, `memory/tile_attention.py` and the ring's LSE kernels it calls), each one a field of
+`TiledTerms`, so `plan_validate --tiled` can re-pin them one by one; the CPU terms are measured there, the
+GPU kernels' (flash-attn reading K/V in place and writing dK/dV into the gradients) are read from their code.
+With `offload_activations` each layer's input waits on the host (its tiles' saved views share one copy).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class TiledTerms:
     kv: float
     kv_grads: float
     kernel_call: float
+    kernel_forward: float
     kv_forward: float
     tile_saved: float
     tile_mlp: float
@@ -50,8 +51,11 @@ def tiled_terms(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
 
     `T` rank tokens, `t` one tile's, `S = sp T` the keys, `H` / `Hkv` query / key-value heads (`kv_r` key-value
     heads per rank in the kernel's layout), `d` head dim, `I` MLP width, `a` activation bytes, `f` the MLP's
-    saved factor (4, Liger 3). A query tile's attention runs as pieces (the prefix of its document, up to
-    every key, and its causal diagonal block); a piece's kernel copies its keys and values contiguous.
+    saved factor (4, Liger 3), `kv = 2 a S kv_r d` (K and V). A query tile's attention runs as pieces (the
+    prefix of its document, up to every key, and its causal diagonal block). The piece kernel decides the
+    copies (`_piece_bytes`): flash-attn (GPU, `--attn flash`) reads K/V in place; torch's CPU flash kernel
+    copies a piece's k, v contiguous and returns its dk, dv; torch's efficient kernel (GPU without flash-attn)
+    also expands k, v and their gradients to the query heads.
 
     | tensor                                  | untiled bytes         | tiled bytes            | term          |
     | --------------------------------------- | --------------------- | ---------------------- | ------------- |
@@ -67,16 +71,17 @@ def tiled_terms(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
     | k, v per tile + concatenated (+ SP)     | -                     | 2 a T Hkv d (x2) + kv  | kv_forward    |
     | dq (+ fp32 accumulator, piece copies)   | a T H d               | (4 + 4a) t H d         | tile_backward |
     | dk, dv                                  | 2 a S kv_r d          | same (autograd's sum)  | kv_grads      |
-    | fp32 dk, dv of one tile's backward      | -                     | 8 S kv_r d             | kernel_call   |
-    |   + one piece's k, v copies and dk, dv  | -                     | 4 a S kv_r d           | kernel_call   |
+    | one tile's dk, dv: sp = 1, written      | -                     | kv                     | kernel_call   |
+    |   per piece; sp > 1, fp32 accumulators  | -                     | 8 S kv_r d             | kernel_call   |
+    | one piece's kernel temporaries          | -                     | `_piece_bytes`         | kernel_call   |
     | flash-attn 2 fp32 dq accumulator, GPU   | 4 T H d               | 4 t H d                | tile_backward |
-    | flash-attn 2 GQA dk, dv expanded, GPU   | 2 a T H d             | 2 a T H d (all keys)   | kernel_call   |
     | MLP backward (Liger: 1 a T I)           | 2 a T I               | 2 a t I                | tile_backward |
     | Ulysses send buffer                     | a T d (H + 2 S kv_r/T)| a t H d (q, then out)  | all_to_all    |
     | layer input, dout, dx (estimate.py)     | a T h each            | unchanged              | -             |
 
-    The whole-length fp32 dk, dv (`tile_attention`'s accumulators over the pieces) and their cast to the
-    compute dtype exist once per tile's backward, next to autograd's running sum of the tiles' K/V gradients.
+    A tile's whole-length dk, dv exist once per tile's backward, next to autograd's running sum of the tiles'
+    K/V gradients: without SP each key's gradient comes from one piece (`tile_attention.keys_disjoint`), written
+    into dk, dv in K/V's dtype; under SP the ranks' query runs read overlapping prefixes, summed in float32.
     Head chunks do not apply inside a tiled layer (its queries are exchanged per tile). Eager attention is
     refused (`RunConfig`): it returns no log-sum-exp.
     """
@@ -93,15 +98,15 @@ def tiled_terms(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         tile_saved += t * (a * d + 4 if liger else (4 + a) * d + 4) * (heads + model.kv_heads)
     tile_mlp = a * t * width * (3 if liger else 4) + (4 * t * model.experts if model.experts else 0)
     tile_backward = (4 + 4 * a) * t * heads * d + a * t * width * (1 if liger else 2)
-    kernel_call = 8 * T * sp * kv_rank * d + 2 * kv  # fp32 accumulators; one piece's k, v copies and dk, dv
     if run.attn == "flash" and not on_cpu:
         tile_backward += 4 * t * heads * d
-        if kv_rank < heads // sp:
-            kernel_call += 2 * a * T * heads * d
+    own = kv if sp == 1 else 8 * T * sp * kv_rank * d  # the tile's dk, dv: written per piece, or fp32 sums
+    piece_forward, piece_backward = _piece_bytes(model, run, T, on_cpu)
     return TiledTerms(
         kv=kv,
         kv_grads=kv,
-        kernel_call=kernel_call,
+        kernel_call=own + piece_backward,
+        kernel_forward=piece_forward,
         # Per-tile k, v (kept while the query tiles run) and, under SP, their concatenation before the exchange.
         kv_forward=kv_seq * (2 if sp > 1 else 1) + kv,
         tile_saved=tile_saved,
@@ -112,19 +117,32 @@ def tiled_terms(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
     )
 
 
+def _piece_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> tuple[float, float]:
+    """A piece kernel's temporaries beyond the tile's buffers, in forward and in backward (a piece reads up to
+    every key: `S` keys, `H / sp` query heads)."""
+    a, d, sp = run.act_bytes, model.head_dim, run.sp
+    kv = 2 * a * tokens * sp * kv_heads_per_rank(model, sp) * d
+    expanded = 2 * a * tokens * model.heads * d  # k, v (or dk, dv) of every key for each of the rank's query heads
+    if on_cpu:  # contiguous k, v copies; dk, dv returned, then copied or added into the tile's
+        return kv, 2 * kv
+    if run.attn == "flash":  # in place; under SP a piece's dk, dv come back before the float32 sum
+        gqa = expanded if kv_heads_per_rank(model, sp) < model.heads // sp else 0.0  # flash-attn 2 expands GQA
+        return 0.0, (0.0 if sp == 1 else kv) + gqa
+    return expanded, 2 * expanded + kv  # torch's efficient kernel: expanded k, v and gradients, then group sums
+
+
 def tiled_layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> LayerBytes:
     """`LayerBytes` of one tiled layer: its recompute holds K/V and one tile's saved tensors; its backward
     adds the K/V gradients, one tile's whole-length kernel gradients and one tile's gradients."""
     terms = tiled_terms(model, run, tokens, on_cpu)
     tile = terms.tile_saved + terms.tile_mlp
-    # Forward: the per-tile and whole K/V, one piece's k, v copies, one tile, and the output's tiles before
+    # Forward: the per-tile and whole K/V, one piece kernel's copies, one tile, and the output's tiles before
     # they are concatenated (the concatenation is the next layer's input, counted as a checkpoint).
-    piece = terms.kv
     output_tiles = run.act_bytes * tokens * model.hidden
     return LayerBytes(
         saved=terms.kv + tile,
         saved_mlp=terms.tile_mlp,
-        forward=terms.kv_forward + piece + tile + terms.tile_forward + output_tiles,
+        forward=terms.kv_forward + terms.kernel_forward + tile + terms.tile_forward + output_tiles,
         backward=terms.kv_grads + terms.kernel_call + terms.tile_backward,
         all_to_all=terms.all_to_all,
         shared=0.0,
