@@ -33,26 +33,50 @@ from torch.utils.checkpoint import checkpoint
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Saved:
-    """One offloaded tensor: its host copy and, once fetched, its device copy and ready event."""
+    """One offloaded tensor: its host copy and, once fetched, its device copy and ready event. `pending` counts
+    the packed references (the tensor and views of it) not unpacked yet; the device copy goes with the last."""
 
     host: torch.Tensor
     device: torch.device
     fetched: torch.Tensor | None = None
     ready: Any = None  # a CUDA event recorded on the copy stream after the fetch
+    pending: int = 0
+
+
+@dataclass(frozen=True)
+class _View:
+    """A saved view of an offloaded (contiguous) input: its geometry in the input's elements."""
+
+    saved: _Saved
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclass(eq=False)
 class _LayerInputs:
     """The offloaded inputs of one checkpointed layer call, linked to the previous layer's."""
 
-    saved: list[_Saved] = field(default_factory=list)
+    saved: dict[int, _Saved] = field(default_factory=dict)  # input index -> its host copy
     previous: Any = None  # weakref to the _LayerInputs of the layer that ran before this one
+
+
+def _view_offset(t: torch.Tensor, x: torch.Tensor) -> int | None:
+    """The element offset of `t` in contiguous `x` when `t` is `x` or a view inside it, else None."""
+    if t.device != x.device or t.dtype != x.dtype or t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return None
+    offset = t.storage_offset() - x.storage_offset()
+    last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return offset if t.numel() and 0 <= offset and last < x.numel() else None
 
 
 class HostOffload:
     """Saved-tensor hooks that keep checkpointed layer inputs in host memory.
+
+    What autograd saves of an input, or of a view of a contiguous input (a sequence-tiled layer saves its
+    tiles), shares one host copy of that input; unpacking returns the view of its device copy.
 
     Args:
         always_copy: also copy tensors already in host memory (a CPU-only machine then runs the
@@ -75,26 +99,36 @@ class HostOffload:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
-    def _pack(self, group: _LayerInputs, inputs: list[torch.Tensor], t: torch.Tensor) -> Any:
-        offload = any(t.data_ptr() == x.data_ptr() and t.shape == x.shape for x in inputs)
-        if not offload or (t.device.type == "cpu" and not self.always_copy):
-            return t
-        stream = self._copy_stream(t.device)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=stream is not None)
+    def _offload(self, x: torch.Tensor) -> _Saved:
+        stream = self._copy_stream(x.device)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=stream is not None)
         if stream is None:
-            host.copy_(t)
+            host.copy_(x)
         else:
-            stream.wait_stream(torch.cuda.current_stream(t.device))
+            stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # the allocator keeps t's memory until the copy is done
-        saved = _Saved(host, t.device)
-        group.saved.append(saved)
-        return saved
+                host.copy_(x, non_blocking=True)
+            x.record_stream(stream)  # the allocator keeps x's memory until the copy is done
+        return _Saved(host, x.device)
+
+    def _pack(self, group: _LayerInputs, inputs: list[torch.Tensor], t: torch.Tensor) -> Any:
+        if t.device.type == "cpu" and not self.always_copy:
+            return t
+        for i, x in enumerate(inputs):
+            exact = t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride()
+            offset = _view_offset(t, x) if x.is_contiguous() else (0 if exact else None)
+            if offset is None:
+                continue
+            saved = group.saved.get(i)
+            if saved is None:
+                saved = group.saved[i] = self._offload(x)
+            saved.pending += 1
+            return saved if exact else _View(saved, tuple(t.shape), t.stride(), offset)
+        return t
 
     def _fetch(self, group: _LayerInputs) -> None:
-        for saved in group.saved:
-            if saved.fetched is not None:
+        for saved in group.saved.values():
+            if saved.fetched is not None or saved.pending == 0:
                 continue
             stream = self._copy_stream(saved.device)
             if stream is None:
@@ -105,28 +139,34 @@ class HostOffload:
                 saved.ready = stream.record_event()
 
     def _unpack(self, group: _LayerInputs, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Saved):
+        saved = packed.saved if isinstance(packed, _View) else packed
+        if not isinstance(saved, _Saved):
             return packed
         self._fetch(group)
         previous = group.previous() if group.previous is not None else None
         if previous is not None:
             self._fetch(previous)  # prefetch: the layer recomputed next in backward
-        tensor, packed.fetched = packed.fetched, None
-        if packed.ready is not None:
-            current = torch.cuda.current_stream(packed.device)
-            current.wait_event(packed.ready)
+        tensor = saved.fetched
+        if saved.ready is not None:
+            current = torch.cuda.current_stream(saved.device)
+            current.wait_event(saved.ready)
             tensor.record_stream(current)
-        return tensor
+        saved.pending -= 1
+        if saved.pending == 0:
+            saved.fetched = saved.ready = None
+        return tensor if saved is packed else tensor.as_strided(packed.size, packed.stride, packed.offset)
+
+    def hooks(self, args: tuple) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """The pack / unpack pair that offloads what autograd saves of the tensors in `args` (one layer call)."""
+        group = _LayerInputs(previous=self._last)
+        self._last = weakref.ref(group)
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        return functools.partial(self._pack, group, inputs), functools.partial(self._unpack, group)
 
     @contextmanager
     def offloading(self, args: tuple) -> Iterator[None]:
         """Offload, inside the block, what autograd saves of the tensors in `args` (one layer call)."""
-        group = _LayerInputs(previous=self._last)
-        self._last = weakref.ref(group)
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        pack = functools.partial(self._pack, group, inputs)
-        unpack = functools.partial(self._unpack, group)
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(*self.hooks(args)):
             yield
 
 

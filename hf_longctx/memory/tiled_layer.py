@@ -9,9 +9,9 @@ whole K/V (`tile_attention`: LSE kernels, per-document causal), o_proj, residual
 residual. Only the layer's input and output and K/V are sequence-long; everything else is one tile.
 From forward to backward a tiled layer keeps only its input: the tiles' saved K/V are recomputed once
 in backward (`_RecomputedKV`), so the layer is its own activation checkpoint (transformers' layer
-checkpointing, which wraps the class forward, is bypassed for tiled layers; with `offload_activations`
-the whole tiled layer runs under the offload's checkpoint, so its input is kept in host memory and backward
-runs its tiled forward once more). Under Ulysses SP the
+checkpointing, which wraps the class forward, is bypassed for tiled layers). With `offload_activations`
+what the tiles save of that input (views of it) goes through the offload's saved-tensor hooks: one host
+copy per layer, fetched back once for the layer's backward, and no extra forward. Under Ulysses SP the
 keys/values are exchanged to head shards once per layer, and each query tile's queries and attention
 output are exchanged around its attention. Layers of another structure (or
 sliding windows, MoE, soft-capping, sinks, dropout) and ring / hybrid SP run untiled, logged once.
@@ -34,7 +34,7 @@ from hf_longctx.attention.registry import _HANDLE_ATTR as SP_HANDLE_ATTR
 from hf_longctx.attention.registry import CONTEXT_KWARG as SP_CONTEXT_KWARG
 from hf_longctx.attention.ulysses import check_shard, head_index, head_layout
 from hf_longctx.distributed.comm import all_to_all
-from hf_longctx.memory.offload import offloaded_checkpoint
+from hf_longctx.memory.offload import HostOffload, offloaded_checkpoint
 from hf_longctx.memory.tile_attention import plan_pieces, tile_attention
 from hf_longctx.memory.tiled_mlp import _AgreedTiles, _is_moe, _mixes_tokens, _restore_forward, _zero3
 from hf_longctx.memory.tiling import auto_tiles
@@ -155,14 +155,7 @@ class _TiledLayer:
         context = self.state.context(hidden_states, kwargs, sp)
         groups = sp.groups if sp is not None and sp.groups.sp_world_size > 1 else None
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return self.run(x, embeddings, context, groups, n)
-
-        if _offloaded(self.layer):
-            # offload_activations: the whole tiled layer is checkpointed once more under the offload's hooks, so
-            # its input waits for backward in host memory; its recompute runs the tiled forward again.
-            return self.layer._gradient_checkpointing_func(run, hidden_states)
-        return run(hidden_states)
+        return self.run(hidden_states, embeddings, context, groups, n)
 
     def whole_keys_values(self, parts: list[tuple], groups, run: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
         """K/V of the whole sequence (Ulysses: this rank's kv heads of the whole sequence), tile by tile."""
@@ -180,13 +173,22 @@ class _TiledLayer:
         kv = all_to_all(kv, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, 2 * kv_l, sl, hs]
         return kv.chunk(2, dim=1)
 
+    def recompute_kv(self, x_saved: Any, unpack: Callable[[Any], torch.Tensor], embeddings, n: int, groups):
+        """Backward's K/V: from the layer input as saved (its host copy under offload_activations)."""
+        return self.whole_keys_values(_parts(unpack(x_saved), embeddings, n), groups, _call)
+
     def run(self, x, embeddings, context: SequenceContext, groups, n: int) -> torch.Tensor:
         grad = torch.is_grad_enabled()
         run = functools.partial(checkpoint, use_reentrant=False) if grad else _call
-        cos, sin = (torch.tensor_split(t, n, dim=1) for t in embeddings)  # [bs, n, hs] each
-        parts = list(zip(torch.tensor_split(x, n, dim=1), cos, sin, strict=True))
-        k, v = self.whole_keys_values(parts, groups, run)
-        recompute = _RecomputedKV(k, v, functools.partial(self.whole_keys_values, parts, groups, _call))
+        offload = _host_offload(self.layer)
+        # What the checkpoints save of x (its tiles): kept as is, or on the host under offload_activations.
+        pack, unpack = offload.hooks((x,)) if offload is not None else (_same, _same)
+        parts = _parts(x, embeddings, n)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            k, v = self.whole_keys_values(parts, groups, run)
+        x_saved = pack(x) if grad else x
+        compute = functools.partial(self.recompute_kv, x_saved, unpack, embeddings, n, groups)
+        recompute = _RecomputedKV(k, v, compute, pack, unpack)
         ws, sl_l = (groups.sp_world_size if groups is not None else 1), x.shape[1]
         segments, outs, start = context.segments(), [], 0
         with torch.autograd.graph.saved_tensors_hooks(recompute.pack, recompute.unpack):
@@ -199,15 +201,32 @@ class _TiledLayer:
         return torch.cat(outs, dim=1)
 
 
+def _parts(x: torch.Tensor, embeddings: tuple[torch.Tensor, torch.Tensor], n: int) -> list[tuple]:
+    """The layer input's `n` sequence tiles, each with its rotary cos and sin."""
+    cos, sin = (torch.tensor_split(t, n, dim=1) for t in embeddings)  # [bs, n, hs] each
+    return list(zip(torch.tensor_split(x, n, dim=1), cos, sin, strict=True))
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
 class _RecomputedKV:
     """Saved-tensor hooks that keep a layer's K/V out of the saved activations: the tiles save a marker,
     and the first unpack in backward recomputes K/V (no grad; values only, their gradients flow through the
     forward's graph) for every tile, dropped after the last. So a tiled layer keeps only its input, like a
-    checkpointed one."""
+    checkpointed one. Every other saved tensor goes through `outer` (the input's pack / unpack pair)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, compute: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        compute: Callable[[], tuple[torch.Tensor, ...]],
+        *outer: Callable[[Any], Any],
+    ) -> None:
         self.kept: tuple[torch.Tensor, ...] = (k, v)
         self.compute = compute
+        self.outer_pack, self.outer_unpack = outer
         self.values: tuple[torch.Tensor, ...] | None = None
         self.pending = 0
 
@@ -216,11 +235,11 @@ class _RecomputedKV:
             if t.data_ptr() == kept.data_ptr() and t.shape == kept.shape:
                 self.pending += 1
                 return i
-        return t
+        return self.outer_pack(t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, int):
-            return packed
+            return self.outer_unpack(packed)
         if self.values is None:
             with torch.no_grad():
                 self.values = self.compute()
@@ -235,11 +254,13 @@ class _RecomputedKV:
         self.kept = ()
 
 
-def _offloaded(layer: torch.nn.Module) -> bool:
-    """Whether `offload_activations` wraps this layer's checkpoint (and it trains with gradients)."""
+def _host_offload(layer: torch.nn.Module) -> HostOffload | None:
+    """The `offload_activations` hooks of this layer when it trains with gradients, else None."""
     func = layer.__dict__.get("_gradient_checkpointing_func")
     active = layer.gradient_checkpointing and layer.training and torch.is_grad_enabled()
-    return active and isinstance(func, functools.partial) and func.func is offloaded_checkpoint
+    if active and isinstance(func, functools.partial) and func.func is offloaded_checkpoint:
+        return func.args[0]
+    return None
 
 
 def _call(function: Callable[..., Any], *args: Any) -> Any:

@@ -76,29 +76,38 @@ def test_tiled_layer_with_checkpointing_and_the_other_flags():
 
 
 def test_tiled_layer_with_offload_keeps_each_layer_input_on_the_host(monkeypatch):
-    """With offload_activations the whole tiled layer runs under the offload's checkpoint: its input is
-    copied to the host (always_copy: the accelerator's path on CPU), one per layer, and it stays exact."""
-    from hf_longctx.memory import offload
+    """With offload_activations what the tiles save of a layer's input (its tile views) shares one host copy per
+    layer (always_copy: the accelerator's path on CPU), fetched back for the layer's backward and freed after it;
+    no extra forward runs (each tile twice: forward and its recompute), and it stays exact."""
+    from hf_longctx.memory import offload, tiled_layer
 
     model = tiny_model("llama").train()
     batch = _batch(packed=True)
     ref, ref_grads = _loss_and_grads(model, batch)
-    saved = []
+    copies, views, tiles = set(), [], []
     pack = offload.HostOffload._pack
 
     def recording(self, group, inputs, t):
         out = pack(self, group, inputs, t)
-        saved.extend([out] if isinstance(out, offload._Saved) else [])
+        if isinstance(out, offload._View | offload._Saved):
+            saved = out.saved if isinstance(out, offload._View) else out
+            copies.add(saved)
+            views.append(out)
         return out
 
     monkeypatch.setattr(offload.HostOffload, "_pack", recording)
+    tile = tiled_layer._TiledLayer.tile
+    monkeypatch.setattr(tiled_layer._TiledLayer, "tile", lambda self, *a: tiles.append(1) or tile(self, *a))
     ParallelismConfig(tiled_layer=True, offload_activations=True)  # the pair is accepted
     offloaded = offload.enable_offload_activations(model, always_copy=True)
     with enable_tiled_layer(model, 3) as handle:
         assert len(handle.layers) == 2
         loss, grads = _loss_and_grads(model, batch)
     offloaded.remove()
-    assert len(saved) == 2 and all(s.host.shape == (2, 37, model.config.hidden_size) for s in saved)
+    assert len(copies) == 2 and all(s.host.shape == (2, 37, model.config.hidden_size) for s in copies)
+    assert all(s.pending == 0 and s.fetched is None for s in copies)  # every saved tile unpacked, device copy gone
+    assert len(views) == 2 * (3 + 3 + 1)  # per layer: the K/V tiles, the query tiles, the input for K/V's recompute
+    assert len(tiles) == 2 * 3 * 2
     loss_err, grad_err = _max_errors(loss, grads, ref, ref_grads)
     assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (loss_err, grad_err)
 
