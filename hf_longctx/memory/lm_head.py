@@ -104,12 +104,17 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _add_head_grads(grad_z, dz_draw, h, weight, grad_h, grad_w, grad_b) -> None:
     """Chain a tile's logit gradient `grad_z` (in place) through the logit transform and the LM head into
-    `grad_h` (this tile's rows), `grad_w` and `grad_b` (each None when not wanted). The two matmuls run in
-    the dtype the logits' matmul ran in (the autocast dtype under autocast), as the untiled backward's do."""
+    `grad_h` (this tile's rows, written: each row belongs to one tile), `grad_w` and `grad_b` (added; each
+    None when not wanted). The two matmuls run in the dtype the logits' matmul ran in (the autocast dtype
+    under autocast), as the untiled backward's do; `grad_h`'s is written in place when the dtypes agree (no
+    `[tile, hidden]` temporary)."""
     grad_raw = grad_z if isinstance(dz_draw, float) and dz_draw == 1.0 else grad_z.mul_(dz_draw)
     mm = _matmul_dtype(h)
     if grad_h is not None:
-        grad_h += grad_raw.to(mm) @ weight.to(mm)
+        if grad_h.dtype == mm and grad_h.is_contiguous():
+            torch.mm(grad_raw.to(mm), weight.to(mm), out=grad_h)
+        else:
+            grad_h.copy_(grad_raw.to(mm) @ weight.to(mm))
     if grad_w is not None:
         _add_matmul(grad_w, grad_raw.t().to(mm), h.to(mm))
     if grad_b is not None:
