@@ -46,8 +46,8 @@ def apply_memory_flags(model: torch.nn.Module, config: Any) -> MemoryHandle:
     """Apply `config.tiled_loss`, `config.tiled_mlp`, `config.tiled_layer` and `config.offload_activations` to `model`.
 
     `tiled_layer` goes before `tiled_mlp`, which then leaves the MLPs of tiled layers alone (the layer
-    tiles them). With `offload_activations` too, each tiled layer runs under the offload's checkpoint (its
-    input kept in host memory; see `memory/tiled_layer.py`).
+    tiles them). With `offload_activations` too, what a tiled layer saves of its input goes through the offload's
+    saved-tensor hooks (one host copy per layer; see `memory/tiled_layer.py`).
 
     Args:
         model: the unwrapped transformers model (before or after DDP / FSDP2 / DeepSpeed wrapping).

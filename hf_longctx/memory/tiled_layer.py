@@ -15,6 +15,10 @@ copy per layer, fetched back once for the layer's backward, and no extra forward
 keys/values are exchanged to head shards once per layer, and each query tile's queries and attention
 output are exchanged around its attention. Layers of another structure (or
 sliding windows, MoE, soft-capping, sinks, dropout) and ring / hybrid SP run untiled, logged once.
+
+The decoder stack's final norm (the `norm` next to its `layers`) is token-local too: it runs over the same
+tiles, each checkpointed (`tiled_mlp.tiled_call`), so its backward holds one tile's temporaries instead of
+transformers' RMSNorm backward's several `[T, h]` ones, the peak of a tiled model's step otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from hf_longctx.attention.ulysses import check_shard, head_index, head_layout
 from hf_longctx.distributed.comm import all_to_all
 from hf_longctx.memory.offload import HostOffload, offloaded_checkpoint
 from hf_longctx.memory.tile_attention import plan_pieces, tile_attention
-from hf_longctx.memory.tiled_mlp import _AgreedTiles, _is_moe, _mixes_tokens, _restore_forward, _zero3
+from hf_longctx.memory.tiled_mlp import _AgreedTiles, _is_moe, _mixes_tokens, _restore_forward, _zero3, tiled_call
 from hf_longctx.memory.tiling import auto_tiles
 
 logger = logging.getLogger(__name__)
@@ -339,15 +343,36 @@ class _TiledState:
             logger.info("hf_longctx: tiled_layer: layers called with %s %s", why, what)
 
 
+def _final_norms(model: torch.nn.Module, tiled: set[int]) -> list[tuple[str, torch.nn.Module]]:
+    """The leaf `norm` of each decoder stack (a module whose `layers` hold a tiled layer): token-local."""
+    found = []
+    for name, module in model.named_modules():
+        layers, norm = getattr(module, "layers", None), getattr(module, "norm", None)
+        if not isinstance(layers, torch.nn.ModuleList) or not any(id(layer) in tiled for layer in layers):
+            continue
+        if isinstance(norm, torch.nn.Module) and not list(norm.children()) and "Norm" in type(norm).__name__:
+            found.append((f"{name}.norm" if name else "norm", norm))
+    return found
+
+
+def _tiled_norm(forward: Callable[..., Any], norm: torch.nn.Module, state: _TiledState, x: torch.Tensor) -> Any:
+    """The final norm over the layers' sequence tiles, each checkpointed (training only)."""
+    if not torch.is_grad_enabled() or x.dim() != 3:
+        return forward(x)
+    n = min(state.tiles_for(x, norm), x.shape[1])
+    return tiled_call(forward, x, n) if n > 1 else forward(x)
+
+
 class TiledLayerHandle:
     """Undo record of `enable_tiled_layer`; `.remove()` restores every layer's forward.
 
     `.layers` names the tiled layers, `.untiled` maps the others to why, `.mlps` are the tiled layers' MLPs
-    (`tiled_mlp` leaves them to this flag)."""
+    (`tiled_mlp` leaves them to this flag), `.norms` the tiled final norms."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.layers: list[str] = []
+        self.norms: list[str] = []
         self.untiled: dict[str, str] = {}
         self.mlps: list[torch.nn.Module] = []
         self._undo: list[Callable[[], None]] = []
@@ -397,6 +422,11 @@ def enable_tiled_layer(model: torch.nn.Module, tiles: bool | int = True) -> Tile
         handle._undo.append(functools.partial(_restore_forward, layer, own))
         handle.layers.append(name)
         handle.mlps.append(layer.mlp)
+    for name, norm in _final_norms(model, {id(m) for n, m in model.named_modules() if n in handle.layers}):
+        own = norm.__dict__.get("forward")
+        norm.forward = functools.partial(_tiled_norm, norm.forward, norm, state)
+        handle._undo.append(functools.partial(_restore_forward, norm, own))
+        handle.norms.append(name)
     for name, reason in handle.untiled.items():
         logger.info("hf_longctx: tiled_layer leaves %s untiled: %s", name, reason)
     logger.info("hf_longctx: tiled_layer on %d layers of %s", len(handle.layers), type(model).__name__)

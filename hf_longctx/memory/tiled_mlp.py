@@ -122,8 +122,8 @@ def tiled_call(forward: Callable[..., Any], x: torch.Tensor, tiles: int, *args: 
             out = forward(part, *args, **kwargs)
         if not isinstance(out, torch.Tensor) or out.shape[:-1] != part.shape[:-1]:
             raise ValueError(
-                "tiled_mlp: the MLP must map [..., tokens, hidden] to a tensor with the same tokens; "
-                f"got {type(out).__name__}. Set tiled_mlp=False for this model."
+                "tiled_mlp / tiled_layer: a tiled module must map [..., tokens, hidden] to a tensor with the same "
+                f"tokens; got {type(out).__name__}. Set tiled_mlp=False (or tiled_layer=False) for this model."
             )
         outs.append(out)
     return torch.cat(outs, dim=-2)

@@ -226,7 +226,8 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     stored = resident * per_layer + layer.shared
     # The backward at its last layer: only layer 0's saved tensors (or input) are left.
     stored_last = per_layer + layer.shared
-    final_norm = tokens * norm_bytes(h, a, run.liger_kernels)
+    # The final norm's saved tensors; tiled_layer checkpoints it per tile, so only its input stays.
+    final_norm = tokens * (h * a if run.tiled_layer is not False else norm_bytes(h, a, run.liger_kernels))
     logits = loss_bytes(model, run, tokens, fused=run.tiled_loss and not device.host_is_device)
 
     # The backward at its first layer (every layer's activations; the gradients of the LM head and one layer)

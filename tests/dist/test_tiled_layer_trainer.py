@@ -1,8 +1,8 @@
 """`tiled_layer` through the stock `Trainer` and TRL's `SFTTrainer`: every logged step's loss and grad_norm
 (SFT: also token accuracy, entropy, token count) and the eval losses equal the same run without it, at SP=1
 (one process, right-padded rows) and Ulysses SP=2, with gradient accumulation, packing and completion-only
-labels, with tiled_loss, tiled_mlp and offload_activations on too (the tiled layers then run under the
-offload's checkpoint)."""
+labels, with tiled_loss, tiled_mlp and offload_activations on too (the tiled layers' saved inputs then go through
+the offload's hooks)."""
 
 from __future__ import annotations
 

@@ -56,6 +56,7 @@ def test_tiled_layer_matches_loss_and_every_gradient(arch, packed):
     for tiles in (2, 3, 5, 40) if arch == "llama" else (3,):
         with apply_memory_flags(model, SimpleNamespace(tiled_layer=tiles)) as handle:
             assert len(handle.parts["tiled_layer"].layers) == 2
+            assert handle.parts["tiled_layer"].norms == ["model.norm"]  # the final norm runs over the tiles too
             loss, grads = _loss_and_grads(model, batch)
         loss_err, grad_err = _max_errors(loss, grads, ref, ref_grads)
         assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (tiles, loss_err, grad_err)
@@ -201,7 +202,7 @@ def test_eval_forward_and_remove_restore_the_model():
     handle.remove()
     handle.remove()
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    assert "forward" not in model.model.layers[0].__dict__
+    assert "forward" not in model.model.layers[0].__dict__ and "forward" not in model.model.norm.__dict__
 
 
 def test_config_validates_tiled_layer():
