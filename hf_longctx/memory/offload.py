@@ -8,7 +8,9 @@ that checkpoint saves for the layer's positional inputs (the hidden states enter
 `[bs, sl_l, hidden]` per layer: what checkpointing keeps) is copied to pinned host memory on a
 side stream during the forward, and copied back on that stream one layer ahead of the backward
 recompute (when layer i is unpacked, layer i-1's input starts its trip back). Everything else a
-layer saves (shared position embeddings, masks) stays where it is.
+layer saves (shared position embeddings, masks) stays where it is. A sequence-tiled layer
+(`tiled_layer.py`) uses the same hooks directly, without the checkpoint: what its tiles save are views
+of its input, which share that input's one host copy.
 
 Why not `torch.autograd.graph.save_on_cpu` (what transformers' `activation_checkpointing_enable(
 offload=True)` uses) or TRL's `OffloadActivations`: the first copies back on the compute stream
@@ -57,7 +59,7 @@ class _View:
 
 @dataclass(eq=False)
 class _LayerInputs:
-    """The offloaded inputs of one checkpointed layer call, linked to the previous layer's."""
+    """The offloaded inputs of one layer call (checkpointed or tiled), linked to the previous layer's."""
 
     saved: dict[int, _Saved] = field(default_factory=dict)  # input index -> its host copy
     previous: Any = None  # weakref to the _LayerInputs of the layer that ran before this one
@@ -111,10 +113,13 @@ class HostOffload:
             x.record_stream(stream)  # the allocator keeps x's memory until the copy is done
         return _Saved(host, x.device)
 
-    def _pack(self, group: _LayerInputs, inputs: list[torch.Tensor], t: torch.Tensor) -> Any:
+    def _pack(self, group: _LayerInputs, inputs: list[weakref.ref], t: torch.Tensor) -> Any:
         if t.device.type == "cpu" and not self.always_copy:
             return t
-        for i, x in enumerate(inputs):
+        for i, ref in enumerate(inputs):
+            x = ref()
+            if x is None:
+                continue
             exact = t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride()
             offset = _view_offset(t, x) if x.is_contiguous() else (0 if exact else None)
             if offset is None:
@@ -126,9 +131,11 @@ class HostOffload:
             return saved if exact else _View(saved, tuple(t.shape), t.stride(), offset)
         return t
 
-    def _fetch(self, group: _LayerInputs) -> None:
+    def _fetch(self, group: _LayerInputs, wanted: _Saved | None = None) -> None:
+        """Start copying back the group's inputs still to be unpacked (and `wanted`, unpacked again by a second
+        backward over a retained graph)."""
         for saved in group.saved.values():
-            if saved.fetched is not None or saved.pending == 0:
+            if saved.fetched is not None or (saved.pending == 0 and saved is not wanted):
                 continue
             stream = self._copy_stream(saved.device)
             if stream is None:
@@ -142,7 +149,7 @@ class HostOffload:
         saved = packed.saved if isinstance(packed, _View) else packed
         if not isinstance(saved, _Saved):
             return packed
-        self._fetch(group)
+        self._fetch(group, saved)
         previous = group.previous() if group.previous is not None else None
         if previous is not None:
             self._fetch(previous)  # prefetch: the layer recomputed next in backward
@@ -151,7 +158,7 @@ class HostOffload:
             current = torch.cuda.current_stream(saved.device)
             current.wait_event(saved.ready)
             tensor.record_stream(current)
-        saved.pending -= 1
+        saved.pending = max(saved.pending - 1, 0)
         if saved.pending == 0:
             saved.fetched = saved.ready = None
         return tensor if saved is packed else tensor.as_strided(packed.size, packed.stride, packed.offset)
@@ -160,7 +167,9 @@ class HostOffload:
         """The pack / unpack pair that offloads what autograd saves of the tensors in `args` (one layer call)."""
         group = _LayerInputs(previous=self._last)
         self._last = weakref.ref(group)
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        # Weak references: autograd keeps the pack hook as long as what it saved, which must not keep the
+        # device input alive (that would be the memory the offload is for).
+        inputs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)]
         return functools.partial(self._pack, group, inputs), functools.partial(self._unpack, group)
 
     @contextmanager

@@ -28,6 +28,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -129,13 +130,13 @@ class _TiledLayer:
         h = self.layer.input_layernorm(x)
         k = _heads(h, attn.k_proj, getattr(attn, "k_norm", None), hs)  # [bs, hc_kv, n, hs]
         v = _heads(h, attn.v_proj, None, hs)
-        return self.rotary(k, k, cos, sin)[1], v
+        return _attention_dtype(self.rotary(k, k, cos, sin)[1]), _attention_dtype(v)
 
     def tile(self, x, cos, sin, k, v, pieces, groups) -> torch.Tensor:
         attn, layer = self.attn, self.layer
         h = layer.input_layernorm(x)
         q = _heads(h, attn.q_proj, getattr(attn, "q_norm", None), attn.head_dim)  # [bs, hc, n, hs]
-        q = self.rotary(q, q, cos, sin)[0]
+        q = _attention_dtype(self.rotary(q, q, cos, sin)[0])
         if groups is not None:
             q = all_to_all(q.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, hc_l, ws*n, hs]
         o = tile_attention(q, k, v, pieces, attn.scaling).transpose(1, 2)  # [bs, ws*n, hc_l, hs_v]
@@ -177,9 +178,11 @@ class _TiledLayer:
         kv = all_to_all(kv, scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, 2 * kv_l, sl, hs]
         return kv.chunk(2, dim=1)
 
-    def recompute_kv(self, x_saved: Any, unpack: Callable[[Any], torch.Tensor], embeddings, n: int, groups):
-        """Backward's K/V: from the layer input as saved (its host copy under offload_activations)."""
-        return self.whole_keys_values(_parts(unpack(x_saved), embeddings, n), groups, _call)
+    def recompute_kv(self, x_saved: Any, unpack: Callable[[Any], torch.Tensor], embeddings, n: int, groups, amp):
+        """Backward's K/V: from the layer input as saved (its host copy under offload_activations), under the
+        forward's autocast (autograd does not carry it into backward), so they equal the forward's."""
+        with torch.autocast(amp[0], dtype=amp[2], enabled=amp[1]):
+            return self.whole_keys_values(_parts(unpack(x_saved), embeddings, n), groups, _call)
 
     def run(self, x, embeddings, context: SequenceContext, groups, n: int) -> torch.Tensor:
         grad = torch.is_grad_enabled()
@@ -188,10 +191,13 @@ class _TiledLayer:
         # What the checkpoints save of x (its tiles): kept as is, or on the host under offload_activations.
         pack, unpack = offload.hooks((x,)) if offload is not None else (_same, _same)
         parts = _parts(x, embeddings, n)
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack) if offload is not None else nullcontext()
+        with hooks:
             k, v = self.whole_keys_values(parts, groups, run)
         x_saved = pack(x) if grad else x
-        compute = functools.partial(self.recompute_kv, x_saved, unpack, embeddings, n, groups)
+        device = x.device.type
+        amp = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        compute = functools.partial(self.recompute_kv, x_saved, unpack, embeddings, n, groups, amp)
         recompute = _RecomputedKV(k, v, compute, pack, unpack)
         ws, sl_l = (groups.sp_world_size if groups is not None else 1), x.shape[1]
         segments, outs, start = context.segments(), [], 0
@@ -212,6 +218,15 @@ def _parts(x: torch.Tensor, embeddings: tuple[torch.Tensor, torch.Tensor], n: in
 
 
 def _same(t: Any) -> Any:
+    return t
+
+
+def _attention_dtype(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the autocast dtype when autocast is on for its device (what autocast does to sdpa's and flash's
+    q, k, v in the untiled layer; the tile attention is an autograd function autocast does not reach)."""
+    device = t.device.type
+    if torch.is_autocast_enabled(device) and t.is_floating_point():
+        return t.to(torch.get_autocast_dtype(device))
     return t
 
 
@@ -249,7 +264,7 @@ class _RecomputedKV:
                 self.values = self.compute()
         value = self.values[packed]
         self.pending -= 1
-        if self.pending == 0:
+        if self.pending <= 0:  # below 0: a second backward over a retained graph, which recomputes again
             self.values = None
         return value
 
@@ -350,7 +365,10 @@ def _final_norms(model: torch.nn.Module, tiled: set[int]) -> list[tuple[str, tor
         layers, norm = getattr(module, "layers", None), getattr(module, "norm", None)
         if not isinstance(layers, torch.nn.ModuleList) or not any(id(layer) in tiled for layer in layers):
             continue
-        if isinstance(norm, torch.nn.Module) and not list(norm.children()) and "Norm" in type(norm).__name__:
+        weight = getattr(norm, "weight", None)
+        per_feature = isinstance(weight, torch.Tensor) and len(_shape(weight)) == 1
+        across_tokens = isinstance(norm, (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm))
+        if isinstance(norm, torch.nn.Module) and not list(norm.children()) and per_feature and not across_tokens:
             found.append((f"{name}.norm" if name else "norm", norm))
     return found
 

@@ -139,10 +139,10 @@ def test_offload_keeps_layer_inputs_in_copies_and_prefetches_one_layer_ahead(mon
             events.append(("pack", id(group)))
         return packed
 
-    def counting_fetch(self, group):
+    def counting_fetch(self, group, wanted=None):
         if any(s.fetched is None and s.pending for s in group.saved.values()):
             events.append(("fetch", id(group)))
-        return fetch(self, group)
+        return fetch(self, group, wanted)
 
     monkeypatch.setattr(offload.HostOffload, "_pack", counting_pack)
     monkeypatch.setattr(offload.HostOffload, "_fetch", counting_fetch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -212,3 +213,50 @@ def test_config_validates_tiled_layer():
             ParallelismConfig(tiled_layer=bad)
     with pytest.raises(ValueError, match="tiled_layer"):
         ParallelismConfig(sp_size=2, sp_backend="deepspeed", tiled_layer=True)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["checkpointed", "tiled"])
+def test_offloaded_layer_inputs_leave_the_device_until_backward(tiled):
+    """With offload_activations (always_copy: the accelerator's path on CPU) no layer input outlives the forward
+    in its own memory: only its host copy waits for backward. A second backward over the retained graph fetches
+    the inputs again (gradients double)."""
+    from hf_longctx.memory import offload
+
+    model = tiny_model("llama").train()
+    batch = _batch(packed=True)
+    _, ref_grads = _loss_and_grads(model, batch)
+    inputs: list[weakref.ref] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a: inputs.append(weakref.ref(a[0]))) for layer in model.model.layers
+    ]
+    handle = offload.enable_offload_activations(model, always_copy=True)
+    with enable_tiled_layer(model, 3) if tiled else nullcontext():
+        out = model(**batch)
+        assert len(inputs) == 2 and all(ref() is None for ref in inputs)  # freed: the host copies hold them
+        out.loss.backward(retain_graph=True)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out.loss.backward()
+        twice = {n: p.grad for n, p in model.named_parameters()}
+    handle.remove()
+    for h in hooks:
+        h.remove()
+    _, grad_err = _max_errors(out.loss.detach(), grads, out.loss.detach(), ref_grads)
+    assert grad_err <= GRAD_RTOL
+    assert all(torch.allclose(twice[n], 2 * g, rtol=1e-5, atol=1e-7) for n, g in grads.items())
+
+
+def test_tiled_layer_under_autocast_matches_the_untiled_layer():
+    """fp32 weights under bf16 autocast (Trainer's bf16=True on an fp32 model): the tiles' q, k, v go to bf16 as
+    autocast sends sdpa's, and backward recomputes K/V under the forward's autocast, so the tiled step stays
+    within bf16 round-off of the untiled one (both measured against fp32)."""
+    model = tiny_model("llama")
+    batch = _batch(packed=True)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain, plain_grads = _loss_and_grads(model, batch)
+        with enable_tiled_layer(model, 3):
+            tiled, tiled_grads = _loss_and_grads(model, batch)
+    plain_err = _max_errors(plain, plain_grads, ref, ref_grads)
+    tiled_err = _max_errors(tiled, tiled_grads, ref, ref_grads)
+    assert 0 < plain_err[1] < 0.1  # bf16 round-off, measurable
+    assert tiled_err[0] <= 2 * plain_err[0] + 1e-3 and tiled_err[1] <= 2 * plain_err[1], (tiled_err, plain_err)
