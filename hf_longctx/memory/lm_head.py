@@ -131,8 +131,8 @@ def _cross_entropy_tile(
     grad_w: torch.Tensor | None,
     grad_b: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Summed cross-entropy of one tile; its gradients are added to `grad_h` (this tile's rows), `grad_w`
-    and `grad_b` (each None when not wanted). A function of its own so that the tile's
+    """Summed cross-entropy of one tile; its gradients are written into `grad_h` (this tile's rows) and added to
+    `grad_w` and `grad_b` (each None when not wanted). A function of its own so that the tile's
     `[tokens, vocab]` buffer is freed on return, before the next tile's is allocated."""
     z = _tile_logits(h, weight, bias, transform)  # [n, vocab]
     valid = y != IGNORE_INDEX
@@ -258,7 +258,8 @@ def _stats_tile(h, target, weight, bias, transform, log_probs, log_z, entropy, l
 
 
 def _stats_grad_tile(h, target, weight, bias, transform, lse, entropy, g_lp, g_ent, grad_h, grad_w, grad_b) -> None:
-    """One tile of `_LinearTokenStats.backward`: recompute the tile's logits and add its gradients."""
+    """One tile of `_LinearTokenStats.backward`: recompute the tile's logits, write its rows of `grad_h` and add
+    its weight and bias gradients."""
     z = _tile_logits(h, weight, bias, transform)
     dz_draw = transform.derivative(z)
     lse = lse.unsqueeze(1)

@@ -138,10 +138,11 @@ class FlashAttnKernel:
     def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None, into=None):
         qt, kt, vt, ot, dot = (_flash_layout(t) for t in (q, k, v, out, dout))
         dq = torch.empty(qt.shape, dtype=qt.dtype, device=qt.device)
-        dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (kt, vt))
         if into is not None and all(t.stride(-1) == 1 and t.dtype == k.dtype for t in into):
             dk, dv = (t.transpose(1, 2) for t in into)  # the kernel writes the caller's buffers
             into = None
+        else:
+            dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (kt, vt))
         given = _flash_given(
             scale, causal, dout=dot, q=qt, k=kt, v=vt, out=ot, softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv
         )
