@@ -226,7 +226,7 @@ def _flash_attn_backward(
     _last_dim_contiguous(dout, q, k, v, out, dq, dk, dv)
     _record(
         "backward", causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, dropout_p=dropout_p,
-        k_ptr=k.data_ptr(), dk_ptr=dk.data_ptr(),
+        k_ptr=k.data_ptr(),
     )  # fmt: skip
     assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == q.shape[:1] + (q.shape[2], q.shape[1])
     for b in range(q.shape[0]):

@@ -5,18 +5,18 @@ attend, inside their document, to every earlier key: per (row, document) that is
 prefix `[doc start, tile start)` plus a square causal block on the diagonal. Both run on the LSE
 kernels of ring attention (`attention/ring/lse_kernels.py`) and are merged by log-sum-exp, so no mask
 is ever built. Backward calls each piece's kernel backward with the merged output and LSE, which
-gives exact partial gradients (the ring's argument); dK/dV come back full length for autograd to sum
-over tiles. When no two pieces of a row read the same keys (one query run: no SP, or a tile that one
-rank holds), each piece's kernel writes its dK/dV straight into its slice of those full-length
-gradients (flash-attn writes them itself; the slices are K/V's dtype, so no float32 accumulator is
-needed: each key gets one piece's gradient); under Ulysses the ranks' runs overlap in their document
-prefixes, and the pieces are summed in a float32 accumulator.
+gives exact partial gradients (the ring's argument).
+
+dK/dV do not go back through autograd tile by tile: every piece of every tile of a layer adds its
+gradients to one float32 `KVGradients` over the keys it read, and `release_kv` hands the sum to K/V's
+graph once, after the layer's last tile. A kernel over the whole sequence sums its query blocks in
+float32 the same way; autograd would instead add one whole-length bf16 gradient per tile (a rounding per
+tile, and a zero-fill and a sum over every key for each of them).
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -65,16 +65,44 @@ def plan_pieces(segments: list[list[tuple[int, int]]], spans: list[tuple[int, in
     return tuple(pieces)
 
 
-def keys_disjoint(pieces: tuple[Piece, ...]) -> bool:
-    """Whether no two pieces of a row read the same key (then each key's gradient comes from one piece)."""
-    by_row: dict[int, list[tuple[int, int]]] = {}
-    for p in pieces:
-        by_row.setdefault(p.row, []).append((p.k0, p.k1))
-    for spans in by_row.values():
-        spans.sort()
-        if any(a1 > b0 for (_, a1), (b0, _) in itertools.pairwise(spans)):
-            return False
-    return True
+class KVGradients:
+    """dK/dV of one layer call, summed over its tiles' pieces in float32 (float64 for float64 K/V)."""
+
+    def __init__(self) -> None:
+        self.dk: torch.Tensor | None = None
+        self.dv: torch.Tensor | None = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, row: slice, keys: slice, gk: torch.Tensor, gv: torch.Tensor):
+        if self.dk is None:
+            self.dk = torch.zeros(k.shape, dtype=lse_dtype(k.dtype), device=k.device)
+            self.dv = torch.zeros(v.shape, dtype=lse_dtype(v.dtype), device=v.device)
+        self.dk[row, :, keys] += gk
+        self.dv[row, :, keys] += gv
+
+    def take(self, k_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The sums in K/V's dtypes (None when no tile ran a backward), forgetting them."""
+        dk, dv, self.dk, self.dv = self.dk, self.dv, None, None
+        return (dk.to(k_dtype) if dk is not None else None), (dv.to(v_dtype) if dv is not None else None)
+
+
+class _ReleaseKV(torch.autograd.Function):
+    """K and V as the tiles read them; its backward runs once every tile's has (they are its only consumers)
+    and returns what they added to `grads`."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, grads: KVGradients):
+        ctx.set_materialize_grads(False)  # the tiles give K/V no gradient of their own
+        ctx.grads, ctx.dtypes = grads, (k.dtype, v.dtype)
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, *_: torch.Tensor | None):
+        return (*ctx.grads.take(*ctx.dtypes), None)
+
+
+def release_kv(k: torch.Tensor, v: torch.Tensor, grads: KVGradients) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V for a layer's `tile_attention` calls, whose dK/dV reach `k` and `v` once, summed in `grads`."""
+    return _ReleaseKV.apply(k, v, grads)
 
 
 def _kernel(q: torch.Tensor, v: torch.Tensor):
@@ -83,7 +111,7 @@ def _kernel(q: torch.Tensor, v: torch.Tensor):
 
 class _TileAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tuple[Piece, ...], scale: float):
+    def forward(ctx, q, k, v, pieces: tuple[Piece, ...], scale: float, grads: KVGradients):
         acc = lse_dtype(q.dtype)
         out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # [bs, hc, sq, hs_v]
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [bs, hc, sq]
@@ -96,17 +124,13 @@ class _TileAttention(torch.autograd.Function):
             merge_block(out[r], lse[r], piece_out, piece_lse, slice(p.q0, p.q1))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pieces, ctx.scale = pieces, scale
+        ctx.pieces, ctx.scale, ctx.grads = pieces, scale, grads
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        acc = lse.dtype
-        direct = keys_disjoint(ctx.pieces)  # dK/dV written in place, in K/V's dtype (module docstring)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # one tile: rows can be in two pieces
-        dk = torch.zeros(k.shape, dtype=k.dtype if direct else acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=v.dtype if direct else acc, device=v.device)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)  # one tile: rows can be in two pieces
         kernel = _kernel(q, v)
         for p in ctx.pieces:
             r, rows, keys = slice(p.row, p.row + 1), slice(p.q0, p.q1), slice(p.k0, p.k1)
@@ -120,28 +144,31 @@ class _TileAttention(torch.autograd.Function):
                 causal=p.causal,
                 allowed=None,
                 scale=ctx.scale,
-                into=(dk[r, :, keys], dv[r, :, keys]) if direct else None,
             )
             dq[r, :, rows] += gq
-            if not direct:
-                dk[r, :, keys] += gk
-                dv[r, :, keys] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            ctx.grads.add(k, v, r, keys, gk, gv)
+        return dq.to(q.dtype), None, None, None, None, None
 
 
 def tile_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tuple[Piece, ...], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: tuple[Piece, ...],
+    scale: float,
+    grads: KVGradients,
 ) -> torch.Tensor:
     """Exact softmax attention of a query tile over the whole sequence's keys.
 
     Args:
         q: `[bs, hc, sq, hs]` the tile's queries (RoPE applied with global positions).
-        k: `[bs, hc_kv, sl, hs]` keys of the whole sequence (`hc % hc_kv == 0`).
-        v: `[bs, hc_kv, sl, hs_v]` values of the whole sequence.
+        k: `[bs, hc_kv, sl, hs]` keys of the whole sequence (`hc % hc_kv == 0`), from `release_kv`.
+        v: `[bs, hc_kv, sl, hs_v]` values of the whole sequence, from `release_kv`.
         pieces: `plan_pieces` of the tile.
         scale: the softmax scale.
+        grads: the `KVGradients` given to `release_kv`: the tile's dK/dV are added there.
 
     Returns:
-        `[bs, hc, sq, hs_v]` in q's dtype.
+        `[bs, hc, sq, hs_v]` in q's dtype; its backward returns dq (dK/dV go to `grads`).
     """
-    return _TileAttention.apply(q, k, v, pieces, scale)
+    return _TileAttention.apply(q, k, v, pieces, scale, grads)

@@ -5,7 +5,8 @@
 the ordinary autograd graph and each parameter's gradient hook fires once per backward, the
 `tiled_mlp` rule): pass 1 computes the input norm and the rotated keys and values of every tile
 (kept whole: attention needs them); pass 2, per query tile, the norm, queries, attention against the
-whole K/V (`tile_attention`: LSE kernels, per-document causal), o_proj, residual, post-norm, MLP and
+whole K/V (`tile_attention`: LSE kernels, per-document causal; every tile's dK/dV summed in one float32
+buffer, handed to K/V once), o_proj, residual, post-norm, MLP and
 residual. Only the layer's input and output and K/V are sequence-long; everything else is one tile.
 From forward to backward a tiled layer keeps only its input: the tiles' saved K/V are recomputed once
 in backward (`_RecomputedKV`), so the layer is its own activation checkpoint (transformers' layer
@@ -40,7 +41,7 @@ from hf_longctx.attention.registry import CONTEXT_KWARG as SP_CONTEXT_KWARG
 from hf_longctx.attention.ulysses import check_shard, head_index, head_layout
 from hf_longctx.distributed.comm import all_to_all
 from hf_longctx.memory.offload import HostOffload, offloaded_checkpoint
-from hf_longctx.memory.tile_attention import plan_pieces, tile_attention
+from hf_longctx.memory.tile_attention import KVGradients, plan_pieces, release_kv, tile_attention
 from hf_longctx.memory.tiled_mlp import _AgreedTiles, _is_moe, _mixes_tokens, _restore_forward, _zero3, tiled_call
 from hf_longctx.memory.tiling import auto_tiles
 
@@ -132,14 +133,14 @@ class _TiledLayer:
         v = _heads(h, attn.v_proj, None, hs)
         return _attention_dtype(self.rotary(k, k, cos, sin)[1]), _attention_dtype(v)
 
-    def tile(self, x, cos, sin, k, v, pieces, groups) -> torch.Tensor:
+    def tile(self, x, cos, sin, k, v, pieces, groups, kv_grads: KVGradients) -> torch.Tensor:
         attn, layer = self.attn, self.layer
         h = layer.input_layernorm(x)
         q = _heads(h, attn.q_proj, getattr(attn, "q_norm", None), attn.head_dim)  # [bs, hc, n, hs]
         q = _attention_dtype(self.rotary(q, q, cos, sin)[0])
         if groups is not None:
             q = all_to_all(q.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, hc_l, ws*n, hs]
-        o = tile_attention(q, k, v, pieces, attn.scaling).transpose(1, 2)  # [bs, ws*n, hc_l, hs_v]
+        o = tile_attention(q, k, v, pieces, attn.scaling, kv_grads).transpose(1, 2)  # [bs, ws*n, hc_l, hs_v]
         if groups is not None:
             o = all_to_all(o.contiguous(), scatter_dim=1, gather_dim=2, group=groups.sp_group)  # [bs, n, hc, hs_v]
         x = x + attn.o_proj(o.reshape(*x.shape[:-1], -1))
@@ -199,13 +200,15 @@ class _TiledLayer:
         amp = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         compute = functools.partial(self.recompute_kv, x_saved, unpack, embeddings, n, groups, amp)
         recompute = _RecomputedKV(k, v, compute, pack, unpack)
+        kv_grads = KVGradients()  # every tile's dK/dV, summed in float32, reach K/V once (`tile_attention`)
+        k, v = release_kv(k, v, kv_grads)
         ws, sl_l = (groups.sp_world_size if groups is not None else 1), x.shape[1]
         segments, outs, start = context.segments(), [], 0
         with torch.autograd.graph.saved_tensors_hooks(recompute.pack, recompute.unpack):
             for part in parts:
                 length = part[0].shape[1]
                 spans = [(r * length, r * sl_l + start, length) for r in range(ws)]  # contiguous shards
-                outs.append(run(self.tile, *part, k, v, plan_pieces(segments, spans), groups))
+                outs.append(run(self.tile, *part, k, v, plan_pieces(segments, spans), groups, kv_grads))
                 start += length
         recompute.forget()
         return torch.cat(outs, dim=1)

@@ -5,7 +5,7 @@ o_proj, residual adds, MLP) one sequence tile at a time and attention per query 
 whole sequence, recomputing each tile in backward (and K/V once). The terms follow the implementation
 (`memory/tiled_layer.py`, `memory/tile_attention.py` and the ring's LSE kernels it calls), each one a field of
 `TiledTerms`, so `plan_validate --tiled` can re-pin them one by one; the CPU terms are measured there, the
-GPU kernels' (flash-attn reading K/V in place and writing dK/dV into the gradients) are read from their code.
+GPU kernels' (flash-attn reading K/V in place, its GQA expansion) are read from their code.
 With `offload_activations` each layer's input waits on the host (its tiles' saved views share one copy).
 """
 
@@ -70,19 +70,16 @@ def tiled_terms(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
     | MLP forward (gate, up, act)             | 3 a T I               | 3 a t I                | tile_forward  |
     | k, v per tile + concatenated (+ SP)     | -                     | 2 a T Hkv d (x2) + kv  | kv_forward    |
     | dq (+ fp32 accumulator, piece copies)   | a T H d               | (4 + 4a) t H d         | tile_backward |
-    | dk, dv                                  | 2 a S kv_r d          | same (autograd's sum)  | kv_grads      |
-    | one tile's dk, dv: sp = 1, written      | -                     | kv                     | kernel_call   |
-    |   per piece; sp > 1, fp32 accumulators  | -                     | 8 S kv_r d             | kernel_call   |
+    | dk, dv                                  | 2 a S kv_r d          | fp32, every tile's sum | kv_grads      |
     | one piece's kernel temporaries          | -                     | `_piece_bytes`         | kernel_call   |
     | flash-attn 2 fp32 dq accumulator, GPU   | 4 T H d               | 4 t H d                | tile_backward |
     | MLP backward (Liger: 1 a T I)           | 2 a T I               | 2 a t I                | tile_backward |
     | Ulysses send buffer                     | a T d (H + 2 S kv_r/T)| a t H d (q, then out)  | all_to_all    |
     | layer input, dout, dx (estimate.py)     | a T h each            | unchanged              | -             |
 
-    A tile's whole-length dk, dv exist once per tile's backward, next to autograd's running sum of the tiles'
-    K/V gradients: without SP each key's gradient comes from one piece (`tile_attention.keys_disjoint`), written
-    into dk, dv in K/V's dtype; under SP the ranks' query runs read overlapping prefixes, summed in float32.
-    Head chunks do not apply inside a tiled layer (its queries are exchanged per tile). Eager attention is
+    Every piece of every tile adds its dk, dv to one float32 sum over the whole sequence (`tile_attention.
+    KVGradients`, `8 S kv_r d`), cast to K/V's dtype once after the last tile (while no piece's temporaries
+    are alive). Head chunks do not apply inside a tiled layer (its queries are exchanged per tile). Eager attention is
     refused (`RunConfig`): it returns no log-sum-exp.
     """
     a, h, d, sp = run.act_bytes, model.hidden, model.head_dim, run.sp
@@ -100,12 +97,11 @@ def tiled_terms(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
     tile_backward = (4 + 4 * a) * t * heads * d + a * t * width * (1 if liger else 2)
     if run.attn == "flash" and not on_cpu:
         tile_backward += 4 * t * heads * d
-    own = kv if sp == 1 else 8 * T * sp * kv_rank * d  # the tile's dk, dv: written per piece, or fp32 sums
     piece_forward, piece_backward = _piece_bytes(model, run, T, on_cpu)
     return TiledTerms(
         kv=kv,
-        kv_grads=kv,
-        kernel_call=own + piece_backward,
+        kv_grads=8 * T * sp * kv_rank * d,  # float32 dk, dv of every key, summed over the tiles
+        kernel_call=piece_backward,
         kernel_forward=piece_forward,
         # Per-tile k, v (kept while the query tiles run) and, under SP, their concatenation before the exchange.
         kv_forward=kv_seq * (2 if sp > 1 else 1) + kv,
@@ -123,11 +119,11 @@ def _piece_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -
     a, d, sp = run.act_bytes, model.head_dim, run.sp
     kv = 2 * a * tokens * sp * kv_heads_per_rank(model, sp) * d
     expanded = 2 * a * tokens * model.heads * d  # k, v (or dk, dv) of every key for each of the rank's query heads
-    if on_cpu:  # contiguous k, v copies; dk, dv returned, then copied or added into the tile's
+    if on_cpu:  # contiguous k, v copies; dk, dv returned, then added to the float32 sum
         return kv, 2 * kv
-    if run.attn == "flash":  # in place; under SP a piece's dk, dv come back before the float32 sum
+    if run.attn == "flash":  # K/V read in place; dk, dv returned, then added to the float32 sum
         gqa = expanded if kv_heads_per_rank(model, sp) < model.heads // sp else 0.0  # flash-attn 2 expands GQA
-        return 0.0, (0.0 if sp == 1 else kv) + gqa
+        return 0.0, kv + gqa
     return expanded, 2 * expanded + kv  # torch's efficient kernel: expanded k, v and gradients, then group sums
 
 

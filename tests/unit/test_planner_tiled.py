@@ -33,9 +33,9 @@ def test_whole_sequence_terms_are_kv_sized_and_tile_terms_scale_with_the_tile():
     run = _with(ONE_H200, seq_len=tokens, tiled_layer=256)
     terms = tiled_terms(LLAMA, run, tokens, on_cpu=False)
     kv = 2 * 2 * tokens * LLAMA.kv_heads * LLAMA.head_dim  # bf16 k and v of every token, 8 kv heads of 128
-    assert terms.kv == terms.kv_grads == kv
-    # One tile's backward over every key without SP: its dk, dv (bf16, written by flash-attn piece by piece, K/V
-    # read in place) and flash-attn 2's GQA expansion of a piece's dk, dv to the 32 query heads.
+    assert terms.kv == kv and terms.kv_grads == 2 * kv  # dK/dV of every tile summed in float32
+    # One kernel call's backward over every key: flash-attn reads K/V in place and returns the call's dk, dv, with
+    # flash-attn 2's GQA expansion of those to the 32 query heads.
     gqa = 2 * 2 * tokens * LLAMA.heads * LLAMA.head_dim
     assert terms.kernel_call == kv + gqa and terms.kernel_forward == 0
     half = tiled_terms(LLAMA, _with(run, tiled_layer=512), tokens, on_cpu=False)
@@ -43,14 +43,12 @@ def test_whole_sequence_terms_are_kv_sized_and_tile_terms_scale_with_the_tile():
     for name in ("tile_saved", "tile_mlp", "tile_forward", "tile_backward"):
         assert getattr(half, name) == pytest.approx(getattr(terms, name) / 2, rel=1e-9), name
     cpu = tiled_terms(LLAMA, run, tokens, on_cpu=True)
-    assert cpu.kernel_call == 3 * kv and cpu.kernel_forward == kv  # torch's CPU kernel copies k, v, returns dk, dv
+    assert cpu.kernel_call == 2 * kv and cpu.kernel_forward == kv  # torch's CPU kernel copies k, v, returns dk, dv
     sdpa = tiled_terms(LLAMA, _with(run, attn="sdpa"), tokens, on_cpu=False)  # torch's efficient kernel on GPU
-    assert sdpa.kernel_call == kv + 2 * gqa + kv and sdpa.kernel_forward == gqa
-    # Under SP the ranks' query runs overlap: float32 dk, dv accumulators, and a piece's dk, dv before the sum.
-    sp8 = _with(run, world=8, sp=8, seq_len=8 * tokens)
-    terms8 = tiled_terms(LLAMA, sp8, tokens, on_cpu=False)
-    fp32 = 2 * 4 * 8 * tokens * 1 * LLAMA.head_dim  # one kv head per rank, every key
-    assert terms8.kernel_call == fp32 + terms8.kv + gqa
+    assert sdpa.kernel_call == 2 * gqa + kv and sdpa.kernel_forward == gqa
+    # Under SP=8 a rank keeps one kv head of every key: the float32 sum and one call's dk, dv are that size.
+    terms8 = tiled_terms(LLAMA, _with(run, world=8, sp=8, seq_len=8 * tokens), tokens, on_cpu=False)
+    assert terms8.kv_grads == 2 * 4 * 8 * tokens * LLAMA.head_dim and terms8.kernel_call == terms8.kv + gqa
 
 
 def test_tile_count_auto_and_given():
@@ -119,7 +117,7 @@ def test_cli_tiled_layer_and_next_flag(capsys):
     assert main([*ALL_FLAGS_ARGV, "--max-seq"]) == 0
     text = capsys.readouterr().out
     assert "longest sequence that fits: 1,216,877 tokens" in text
-    assert "next flag: --tiled-layer -> peak" in text and "longest sequence 2,258,829 tokens" in text
+    assert "next flag: --tiled-layer -> peak" in text and "longest sequence 2,117,666 tokens" in text
     assert main([*ALL_FLAGS_ARGV, "--tiled-layer", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["run"]["tiled_layer"] is True and "next_flag" not in out  # fits, no --max-seq: no advice

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from hf_longctx import ParallelismConfig
 from hf_longctx.memory import apply_memory_flags
-from hf_longctx.memory.tile_attention import plan_pieces, tile_attention
+from hf_longctx.memory.tile_attention import KVGradients, plan_pieces, release_kv, tile_attention
 from hf_longctx.memory.tiled_layer import enable_tiled_layer
 from tests._models import tiny_model
 
@@ -125,9 +125,9 @@ def test_a_tiled_layer_keeps_only_its_input_until_backward(monkeypatch):
     keys: list[weakref.ref] = []
     attend = tiled_layer.tile_attention
 
-    def recording(q, k, v, pieces, scale):
+    def recording(q, k, v, pieces, scale, grads):
         keys.append(weakref.ref(k))
-        return attend(q, k, v, pieces, scale)
+        return attend(q, k, v, pieces, scale, grads)
 
     monkeypatch.setattr(tiled_layer, "tile_attention", recording)
     with enable_tiled_layer(model, 4):
@@ -147,15 +147,18 @@ def test_tile_attention_equals_dense_attention_per_document():
     doc = torch.tensor([0] * 7 + [1] * 9 + [2] * 7)
     allowed = (doc[:, None] == doc[None, :]) & torch.ones(23, 23, dtype=torch.bool).tril()
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed)
+    grads = KVGradients()
+    kt, vt = release_kv(k, v, grads)
     outs = []
     for a, b in ((0, 5), (5, 12), (12, 23)):
-        outs.append(tile_attention(q[:, :, a:b], k, v, plan_pieces(segments, [(0, a, b - a)]), 8**-0.5))
+        outs.append(tile_attention(q[:, :, a:b], kt, vt, plan_pieces(segments, [(0, a, b - a)]), 8**-0.5, grads))
     out = torch.cat(outs, dim=2)
     torch.testing.assert_close(out, ref)
-    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    got = torch.autograd.grad((out * out).sum(), (q, k, v))
     ref_grads = torch.autograd.grad((ref * ref).sum(), (q, k, v))
-    for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want)
+    for a, b in zip(got, ref_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    assert grads.dk is None and grads.dv is None  # handed to K/V once, then forgotten
 
 
 def test_unsupported_layers_stay_untiled_and_are_logged(caplog):

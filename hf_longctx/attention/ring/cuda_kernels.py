@@ -95,18 +95,6 @@ def _flash_given(scale: float, causal: bool, **tensors: Any) -> dict[str, Any]:
     return {**tensors, "softmax_scale": scale, "causal": causal, "is_causal": causal}
 
 
-KVGrads = tuple[torch.Tensor, torch.Tensor]
-
-
-def write_into(into: KVGrads | None, dk: torch.Tensor, dv: torch.Tensor) -> KVGrads:
-    """`(dk, dv)`, copied into the caller's `into` buffers when it gives them (kernels without an output argument)."""
-    if into is None:
-        return dk, dv
-    into[0].copy_(dk)
-    into[1].copy_(dv)
-    return into
-
-
 def _flash_layout(t: torch.Tensor) -> torch.Tensor:
     """`[bs, h, s, d]` -> flash-attn's `[bs, s, h, d]` as a view: its kernels read any batch, row and head strides
     and only need a contiguous last dimension (flash-attn's own wrappers copy only then), so K/V slices of a
@@ -119,9 +107,8 @@ class FlashAttnKernel:
     """flash-attn 2 (`flash_attn.flash_attn_interface`) or 3 (`flash_attn_interface`), dense blocks.
 
     Layout [bs, s, hc, hs], read as strided views (`_flash_layout`); LSE float32 [bs, hc, sq]; the backward
-    writes into preallocated dq/dk/dv, the caller's own dk/dv buffers when it passes `into` (GQA native:
-    dk/dv come back with the kv heads). Each block's output is rounded to q's dtype by the kernel (bf16
-    runs: see the README on ring precision).
+    writes into preallocated dq/dk/dv (GQA native: dk/dv come back with the kv heads). Each block's output is
+    rounded to q's dtype by the kernel (bf16 runs: see the README on ring precision).
     """
 
     def __init__(self, fwd: Callable[..., Any], bwd: Callable[..., Any], name: str) -> None:
@@ -135,19 +122,14 @@ class FlashAttnKernel:
         res = self._fwd(**flash_call_kwargs(self._fwd, _flash_given(scale, causal, q=qt, k=kt, v=vt)))
         return res[0][..., : v.shape[-1]].transpose(1, 2), res[1].float().contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None, into=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
         qt, kt, vt, ot, dot = (_flash_layout(t) for t in (q, k, v, out, dout))
-        dq = torch.empty(qt.shape, dtype=qt.dtype, device=qt.device)
-        if into is not None and all(t.stride(-1) == 1 and t.dtype == k.dtype for t in into):
-            dk, dv = (t.transpose(1, 2) for t in into)  # the kernel writes the caller's buffers
-            into = None
-        else:
-            dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (kt, vt))
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qt, kt, vt))  # contiguous
         given = _flash_given(
             scale, causal, dout=dot, q=qt, k=kt, v=vt, out=ot, softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv
         )
         self._bwd(**flash_call_kwargs(self._bwd, given))
-        return dq.transpose(1, 2), *write_into(into, dk.transpose(1, 2), dv.transpose(1, 2))
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -181,7 +163,7 @@ class VarlenKernel:
         lse.index_copy_(1, segments.q_tokens, lse_t.float())
         return out, lse.view(hc, bs, nr).transpose(0, 1).contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None, into=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
         bs, hc, nr = q.shape[:3]
         qi, ki = segments.q_tokens, segments.k_tokens
         lse_t = lse.float().transpose(0, 1).reshape(hc, -1).index_select(1, qi).contiguous()
@@ -189,8 +171,7 @@ class VarlenKernel:
             _tokens(dout, qi), _tokens(q, qi), _tokens(k, ki), _tokens(v, ki), _tokens(out, qi), lse_t, segments, scale
         )
         nc = k.shape[2]
-        dk, dv = _untokens(grads[1], ki, bs, nc), _untokens(grads[2], ki, bs, nc)
-        return _untokens(grads[0], qi, bs, nr), *write_into(into, dk, dv)
+        return _untokens(grads[0], qi, bs, nr), _untokens(grads[1], ki, bs, nc), _untokens(grads[2], ki, bs, nc)
 
 
 def _seg_given(seg: Segments) -> dict[str, Any]:
@@ -301,14 +282,14 @@ class CudaEfficientKernel:
         )  # fmt: skip
         return out, lse[..., : q.shape[2]].float().contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None, into=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
         kx, vx = _expand_kv(q, k).contiguous(), _expand_kv(q, v).contiguous()
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
         gq, gk, gv, _ = self._ops._scaled_dot_product_efficient_attention_backward(
             dout.contiguous(), q.contiguous(), kx, vx, self._bias(q, k, allowed, segments), out.contiguous(),
             lse.float().contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale,
         )  # fmt: skip
-        return gq, *write_into(into, _sum_groups(gk, k.shape[1]), _sum_groups(gv, v.shape[1]))
+        return gq, _sum_groups(gk, k.shape[1]), _sum_groups(gv, v.shape[1])
 
 
 def detect_flash_attn() -> tuple[FlashAttnKernel | None, VarlenKernel | None, str]:

@@ -8,9 +8,7 @@ varlen form of a packed block (`plan.Segments`; mask kernels turn it into a mask
 ever asked for square blocks, so top-left vs bottom-right alignment never matters. A row without
 any visible key may come back with any LSE (and, from a mask kernel, any output): the ring sets its
 LSE to -inf and the merge ignores its output. The backward takes the *global* out and LSE (the
-merged ones), which makes the per-block gradients exact partial sums. A backward given `into` (views
-of the caller's dk, dv buffers, k's dtype) writes dk, dv there and returns those views: flash-attn's
-kernel writes them itself, the others copy.
+merged ones), which makes the per-block gradients exact partial sums.
 
 `select_kernel(q, plan)` is the main entry (`choose_kernel` decides from device and dtype, and logs
 each choice once). CPU: torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its
@@ -30,10 +28,8 @@ from hf_longctx.attention.ring.cuda_kernels import (
     TORCH_VARLEN,
     CudaEfficientKernel,
     FlashAttnKernel,
-    KVGrads,
     VarlenKernel,
     detect_flash_attn,
-    write_into,
 )
 from hf_longctx.attention.ring.plan import BlockPlan, Segments
 
@@ -75,7 +71,6 @@ class BlockKernel(Protocol):
         allowed: torch.Tensor | None,
         scale: float,
         segments: Segments | None = None,
-        into: KVGrads | None = None,
     ) -> Grads: ...
 
 
@@ -113,14 +108,14 @@ class CpuFlashKernel:
         )
         return out[..., :dv], lse.to(lse_dtype(q.dtype)).contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None, into=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
         allowed = _dense(q, k, allowed, segments)
         dq_size, dv, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
         q, k, v, out, dout = (_pad_last(t.contiguous(), d) for t in (q, k, v, out, dout))
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=_additive(allowed, q.dtype), scale=scale
         )
-        return gq[..., :dq_size], *write_into(into, gk[..., :dq_size], gv[..., :dv])
+        return gq[..., :dq_size], gk[..., :dq_size], gv[..., :dv]
 
 
 class MathKernel:
@@ -153,7 +148,7 @@ class MathKernel:
         out = torch.matmul(p, v.to(s.dtype).repeat_interleave(group, dim=1))
         return out.to(q.dtype), lse.contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None, into=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
         s, group = self._scores(q, k, causal, _dense(q, k, allowed, segments), scale)
         p = self._probs(s, lse.to(s.dtype))
         acc = s.dtype
@@ -168,7 +163,7 @@ class MathKernel:
         bs, hc_kv = k.shape[:2]
         gk = gk.unflatten(1, (hc_kv, group)).sum(2)
         gv = gv.unflatten(1, (hc_kv, group)).sum(2)
-        return gq.to(q.dtype), *write_into(into, gk.to(k.dtype), gv.to(v.dtype))
+        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
 
 
 _CPU, _MATH, _EFFICIENT = CpuFlashKernel(), MathKernel(), CudaEfficientKernel()
