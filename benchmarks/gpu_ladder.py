@@ -20,7 +20,7 @@ offloaded activations only two layer inputs stay on the GPU and ZeRO-3 gathers a
 Rungs pack documents of `--doc-len` tokens (default 64K) into the row: attention then costs O(S x doc) instead of
 O(S^2) (a 2M-token causal step is ~6 minutes of attention per layer), while its memory, flash's O(S), is the same.
 PASS: the step ran with every flag on and the scaled peak (`max_memory_allocated`) fits the device less the
-profile's runtime term; FAIL otherwise, including a rung not run (no tiled_layer, flags `ParallelismConfig`
+profile's runtime term; FAIL otherwise, including a rung not run (flags `ParallelismConfig`
 refuses together, an earlier rung failed, the budget spent). There is no SKIP. Results: benchmarks/results/.
 """
 
@@ -37,7 +37,6 @@ from typing import Any
 
 from benchmarks import _results
 from benchmarks.gpu_memory import TINY
-from benchmarks.plan_validate import tiled_layer_available
 
 K = 1024
 RUNGS = (1_200_000, 1_600_000, 2_000_000)
@@ -199,15 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_dry_run and not torch.cuda.is_available():
         print("gpu_ladder: FAIL: no CUDA device (use --cpu-dry-run for the flow on CPU)")
         return 1
-    flags, stop = dict(FLAGS), None
-    if not tiled_layer_available():
-        if args.cpu_dry_run:
-            flags.pop("tiled_layer")
-            flags["tiled_mlp"] = True
-            print("gpu_ladder: tiled_layer is not in ParallelismConfig: the dry run runs without it (tiled_mlp)")
-        else:
-            stop = "tiled_layer is not in ParallelismConfig (hf_longctx/config.py)"
-    stop = stop or config_refusal(flags)
+    flags = dict(FLAGS)
+    stop = config_refusal(flags)
     if args.cpu_dry_run:
         device = dataclasses.replace(DEVICES["cpu"], capacity_gib=1e9)
     else:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -38,20 +37,7 @@ def test_without_cuda_it_fails(monkeypatch, capsys):
     assert "FAIL: no CUDA device" in capsys.readouterr().out
 
 
-def test_on_a_gpu_without_tiled_layer_every_rung_fails_unrun(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=141 << 30))
-    monkeypatch.setattr(gpu_ladder, "tiled_layer_available", lambda: False)
-    monkeypatch.setattr(_harness, "job", lambda *a, **k: pytest.fail("a rung ran without tiled_layer"))
-    assert gpu_ladder.main(["--out-prefix", str(tmp_path / "ladder")]) == 1
-    records = json.loads((tmp_path / "ladder.json").read_text())["records"]
-    assert len(records) == 5 and {r["verdict"] for r in records} == {"FAIL"}
-    assert all("tiled_layer is not in ParallelismConfig" in r["why"] for r in records)
-    assert "SKIP" not in capsys.readouterr().out
-
-
 def test_flags_the_config_refuses_fail_every_rung_unrun(monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_ladder, "tiled_layer_available", lambda: True)
     monkeypatch.setattr(gpu_ladder, "config_refusal", lambda flags: "ParallelismConfig refuses them: no pair")
     monkeypatch.setattr(_harness, "job", lambda *a, **k: pytest.fail("a rung ran with refused flags"))
     argv = ["--cpu-dry-run", "--rungs", "2048", "--throughput-lengths", "1024", "--out-prefix", str(tmp_path / "x")]
