@@ -14,8 +14,8 @@ checkpointing, which wraps the class forward, is bypassed for tiled layers). Wit
 what the tiles save of that input (views of it) goes through the offload's saved-tensor hooks: one host
 copy per layer, fetched back once for the layer's backward, and no extra forward. Under Ulysses SP the
 keys/values are exchanged to head shards once per layer, and each query tile's queries and attention
-output are exchanged around its attention. Layers of another structure (or
-sliding windows, MoE, soft-capping, sinks, dropout) and ring / hybrid SP run untiled, logged once.
+output are exchanged around its attention. Layers of another structure (or sliding windows, MoE,
+soft-capping, sinks, dropout: `layer_match.untiled_reason`) and ring / hybrid SP run untiled, logged once.
 
 The decoder stack's final norm (the `norm` next to its `layers`) is token-local too: it runs over the same
 tiles, each checkpointed (`tiled_mlp.tiled_call`), so its backward holds one tile's temporaries instead of
@@ -25,7 +25,6 @@ transformers' RMSNorm backward's several `[T, h]` ones, the peak of a tiled mode
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -40,75 +39,15 @@ from hf_longctx.attention.registry import _HANDLE_ATTR as SP_HANDLE_ATTR
 from hf_longctx.attention.registry import CONTEXT_KWARG as SP_CONTEXT_KWARG
 from hf_longctx.attention.ulysses import check_shard, head_index, head_layout
 from hf_longctx.distributed.comm import all_to_all
+from hf_longctx.memory.layer_match import untiled_reason, weight_shape
 from hf_longctx.memory.offload import HostOffload, offloaded_checkpoint
 from hf_longctx.memory.tile_attention import KVGradients, plan_pieces, release_kv, tile_attention
-from hf_longctx.memory.tiled_mlp import _AgreedTiles, _is_moe, _mixes_tokens, _restore_forward, _zero3, tiled_call
+from hf_longctx.memory.tiled_mlp import _AgreedTiles, _restore_forward, _zero3, tiled_call
 from hf_longctx.memory.tiling import auto_tiles
 
 logger = logging.getLogger(__name__)
 
-LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-HEAD_NORMS = ("q_norm", "k_norm")
-_REFERENCE_MODULES = ("llama", "qwen2", "qwen3", "mistral")
 _LOGGED: set[str] = set()
-
-
-def _fingerprint(function: Callable[..., Any]) -> tuple[bytes, tuple[str, ...]]:
-    code = inspect.unwrap(function).__code__
-    return code.co_code, code.co_names
-
-
-@functools.cache
-def _reference_forwards() -> tuple[frozenset, frozenset]:
-    """Fingerprints of the decoder-layer and attention forwards this module reimplements (transformers' own)."""
-    import importlib
-
-    layers, attentions = set(), set()
-    for name in _REFERENCE_MODULES:
-        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[name]
-        layers.add(_fingerprint(getattr(module, f"{prefix}DecoderLayer").forward))
-        attentions.add(_fingerprint(getattr(module, f"{prefix}Attention").forward))
-    return frozenset(layers), frozenset(attentions)
-
-
-def _shape(weight: torch.Tensor) -> tuple[int, ...]:
-    return tuple(getattr(weight, "ds_shape", weight.shape))  # ZeRO-3 partitions weights in place
-
-
-def untiled_reason(layer: torch.nn.Module) -> str | None:
-    """Why `layer` cannot be tiled exactly, or None when it can (Llama / Qwen2 / Qwen3 / Mistral structure)."""
-    children = {name for name, _ in layer.named_children()}
-    if children != LAYER_CHILDREN:
-        return f"its children {sorted(children)} are not {sorted(LAYER_CHILDREN)}"
-    attn, mlp = layer.self_attn, layer.mlp
-    layer_forwards, attention_forwards = _reference_forwards()
-    if _fingerprint(type(layer).forward) not in layer_forwards:
-        return "its forward is not the Llama-family residual block"
-    if _fingerprint(type(attn).forward) not in attention_forwards:
-        return f"{type(attn).__name__}.forward is not a Llama / Qwen2 / Qwen3 / Mistral attention"
-    attn_children = {name for name, _ in attn.named_children()}
-    if not ATTENTION_CHILDREN <= attn_children or attn_children - ATTENTION_CHILDREN - set(HEAD_NORMS):
-        return f"its attention's children {sorted(attn_children)} are not q/k/v/o_proj (+ q_norm, k_norm)"
-    for name in HEAD_NORMS:
-        norm = getattr(attn, name, None)
-        if norm is not None and _shape(norm.weight)[-1] != attn.head_dim:
-            return f"{name} normalises the whole projection, not each head"
-    if _is_moe(mlp) or _mixes_tokens(mlp):
-        return "its MLP is a mixture of experts or mixes tokens"
-    config = attn.config
-    window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
-    types = getattr(config, "layer_types", None)
-    if window is not None or (types is not None and types[attn.layer_idx] != "full_attention"):
-        return "it has a sliding window or chunked attention"
-    if getattr(config, "attn_logit_softcapping", None) or hasattr(attn, "sinks"):
-        return "its attention has soft-capping or sinks"
-    if getattr(attn, "attention_dropout", 0.0):
-        return "its attention has dropout"
-    if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb"):
-        return "its module has no apply_rotary_pos_emb"
-    return None
 
 
 def _heads(x: torch.Tensor, proj: torch.nn.Module, norm: torch.nn.Module | None, head_dim: int) -> torch.Tensor:
@@ -369,7 +308,7 @@ def _final_norms(model: torch.nn.Module, tiled: set[int]) -> list[tuple[str, tor
         if not isinstance(layers, torch.nn.ModuleList) or not any(id(layer) in tiled for layer in layers):
             continue
         weight = getattr(norm, "weight", None)
-        per_feature = isinstance(weight, torch.Tensor) and len(_shape(weight)) == 1
+        per_feature = isinstance(weight, torch.Tensor) and len(weight_shape(weight)) == 1
         across_tokens = isinstance(norm, (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm))
         if isinstance(norm, torch.nn.Module) and not list(norm.children()) and per_feature and not across_tokens:
             found.append((f"{name}.norm" if name else "norm", norm))
