@@ -3,7 +3,7 @@
     python -m benchmarks.plan_validate                 # the grid below, ~5 min on 2 cores
     python -m benchmarks.plan_validate --quick         # the calibration point and three others
     python -m benchmarks.plan_validate --flags         # also the memory-flag points (where the fields exist)
-    python -m benchmarks.plan_validate --tiled         # the tiled_layer grid (+ calibration); needs the flag
+    python -m benchmarks.plan_validate --tiled         # the tiled_layer grid (+ calibration)
     python -m benchmarks.plan_validate --flags --only sp2-s8192-tiled-loss      # some points (+ calibration)
     python -m benchmarks.plan_validate --points '[{"name": "a", "seq_len": 2048, "sp": 1}, ...]' --json r.json
     python -m benchmarks.plan_validate --flags --repredict results/X-plan-cpu.json --no-write   # no training
@@ -21,7 +21,7 @@ The planner predicts the same quantity with `--gpu cpu`. Its one free number, th
 the Trainer, accelerate, gloo and autograd add beyond tensors), is calibrated once from the first point of
 the grid (`CALIBRATION`) and then used, unchanged, for every other point.
 
-Writes `benchmarks/results/<date>-plan-cpu.{json,md}` (unless `--no-write`).
+Writes `benchmarks/results/<date>-plan-cpu.{json,md}` (`<date>-plan-cpu-tiled` with `--tiled`; none with `--no-write`).
 """
 
 from __future__ import annotations
@@ -84,42 +84,28 @@ FLAG_POINTS = [
      "flags": {**ALL_FLAGS, "ulysses_head_chunks": 4}},
     {"name": "sp1-s8192-all-flags", "seq_len": 8192, "sp": 1, "flags": ALL_FLAGS},
 ]  # fmt: skip
-# tiled_layer (issue 19): every point is all-flags or gradient checkpointing plus `tiled_layer`, at lengths where
-# one layer's [T, h] tensors dominate the untiled all-flags peak; "vs" names that untiled point (same length
-# and SP), whose peak the tiled one should halve. Until ParallelismConfig has the field, `--tiled` refuses.
-# offload_activations is left out of the tiled points: on CPU it moves nothing (the plan is the same without
-# it) and the first implementation refuses it next to tiled_layer.
-_TL = {"tiled_loss": True, "tiled_mlp": True, "tiled_layer": True}
+# tiled_layer (issue 19): gradient checkpointing or every flag, plus `tiled_layer`, at lengths a 2-core machine
+# runs in a few minutes a point (the 32K points ran past 10 minutes each); "vs" names the untiled point of the same
+# length and SP. The memory ratio at longer lengths is `benchmarks/tiled_layer.py`'s (it measures this RSS too).
+_TL = {**ALL_FLAGS, "tiled_layer": True}
 TILED_POINTS = [
-    # The two 8K points are the ones a loaded 2-core machine finishes (2026-12-03-plan-cpu-tiled).
-    {"name": "sp1-s8192-tiled-layer", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": True}},
-    {"name": "sp1-s8192-tiled-layer8", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": 8}},
-    {"name": "sp1-s32768-all-flags", "seq_len": 32768, "sp": 1, "flags": ALL_FLAGS},
-    {"name": "sp2-s32768-all-flags", "seq_len": 32768, "sp": 2, "flags": ALL_FLAGS},
-    {"name": "sp1-s16384-all-flags-tiled-layer", "seq_len": 16384, "sp": 1, "flags": _TL},
-    {"name": "sp1-s16384-all-flags-tiled-layer16", "seq_len": 16384, "sp": 1, "flags": {**_TL, "tiled_layer": 16}},
-    {"name": "sp1-s32768-all-flags-tiled-layer16", "seq_len": 32768, "sp": 1, "flags": {**_TL, "tiled_layer": 16},
-     "vs": "sp1-s32768-all-flags"},
-    {"name": "sp1-s16384-tiled-layer4", "seq_len": 16384, "sp": 1, "flags": {"tiled_layer": 4}},
-    {"name": "sp2-s16384-all-flags-tiled-layer8", "seq_len": 16384, "sp": 2, "flags": {**_TL, "tiled_layer": 8}},
-    {"name": "sp2-s32768-all-flags-tiled-layer16", "seq_len": 32768, "sp": 2, "flags": {**_TL, "tiled_layer": 16},
-     "vs": "sp2-s32768-all-flags"},
-    {"name": "sp2-s32768-gc-tiled-layer16", "seq_len": 32768, "sp": 2, "gradient_checkpointing": True,
-     "flags": {"tiled_layer": 16}},
-    {"name": "sp2-s16384-all-flags-head-chunks4-tiled-layer8", "seq_len": 16384, "sp": 2,
-     "flags": {**_TL, "tiled_layer": 8, "ulysses_head_chunks": 4}},
+    # 2 and 4 tiles: the tiled layer's backward (K/V, one tile, the kernel's whole-length dK/dV) is the peak;
+    # 8 tiles: the loss is (64 MiB of logits per tile).
+    {"name": "sp1-s8192-all-flags-tiled-layer2", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": 2}},
+    {"name": "sp1-s8192-all-flags-tiled-layer4", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": 4}},
+    {"name": "sp1-s8192-all-flags", "seq_len": 8192, "sp": 1, "flags": ALL_FLAGS},
+    {"name": "sp1-s8192-all-flags-tiled-layer8", "seq_len": 8192, "sp": 1, "flags": {**_TL, "tiled_layer": 8},
+     "vs": "sp1-s8192-all-flags"},
+    {"name": "sp1-s8192-gc-tiled-layer4", "seq_len": 8192, "sp": 1, "gradient_checkpointing": True,
+     "flags": {"tiled_layer": 4}},
+    {"name": "sp2-s8192-all-flags-tiled-layer2", "seq_len": 8192, "sp": 2, "flags": {**_TL, "tiled_layer": 2}},
+    {"name": "sp2-s16384-all-flags-tiled-layer2", "seq_len": 16384, "sp": 2, "flags": {**_TL, "tiled_layer": 2}},
+    {"name": "sp2-s16384-all-flags", "seq_len": 16384, "sp": 2, "flags": ALL_FLAGS},
+    {"name": "sp2-s16384-all-flags-tiled-layer8", "seq_len": 16384, "sp": 2, "flags": {**_TL, "tiled_layer": 8},
+     "vs": "sp2-s16384-all-flags"},
+    {"name": "sp2-s16384-all-flags-head-chunks4-tiled-layer4", "seq_len": 16384, "sp": 2,
+     "flags": {**_TL, "tiled_layer": 4, "ulysses_head_chunks": 4}},
 ]  # fmt: skip
-NO_TILED_LAYER = (
-    "tiled_layer is not in ParallelismConfig (hf_longctx/config.py): the --tiled points cannot be measured until "
-    "the flag lands; nothing was run (use --repredict on stored measurements to re-predict without training)"
-)
-
-
-def tiled_layer_available() -> bool:
-    """Whether this checkout's `hf_longctx.ParallelismConfig` has the `tiled_layer` field."""
-    import hf_longctx
-
-    return "tiled_layer" in {f.name for f in dataclasses.fields(hf_longctx.ParallelismConfig)}
 
 
 def tiled_ratios(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> list[str]:
@@ -299,10 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         rows = json.loads(Path(args.repredict).read_text())["rows"]
         measured = {r["name"]: {"measured_gib": r["measured_gib"], "per_rank_gib": r["per_rank_gib"]} for r in rows}
         points = [p for p in points if p["name"] in measured]
-    tiled = any("tiled_layer" in p.get("flags", {}) for p in points)
-    if tiled and measured is None and not tiled_layer_available():
-        print(f"plan_validate: error: {NO_TILED_LAYER}", file=sys.stderr)
-        return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     report = validate(points, measured=measured, timeout=args.timeout)
     for line in tiled_ratios(report["rows"], points):
@@ -313,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report))
     if not args.no_write:
-        _results.write(RESULTS / f"{datetime.date.today().isoformat()}-plan-cpu", report, to_markdown(report))
+        name = f"{datetime.date.today().isoformat()}-plan-cpu{'-tiled' if args.tiled else ''}"
+        _results.write(RESULTS / name, report, to_markdown(report))
     return 0 if worst <= TOLERANCE else 1
 
 

@@ -1,9 +1,7 @@
-"""`benchmarks.plan_validate --tiled`: a grid of tiled_layer points that measures once the flag exists and
-refuses, measuring nothing, until then."""
+"""`benchmarks.plan_validate --tiled`: a grid of at least six tiled_layer points the planner models, each measured
+once (the calibration point first)."""
 
 from __future__ import annotations
-
-import pytest
 
 from benchmarks import plan_validate
 
@@ -23,14 +21,7 @@ def test_the_tiled_grid_has_six_points_the_planner_models():
     assert all(p["vs"] in names for p in tiled if "vs" in p)
 
 
-def test_tiled_refuses_without_the_flag_and_measures_nothing(monkeypatch, capsys):
-    monkeypatch.setattr(plan_validate, "tiled_layer_available", lambda: False)
-    monkeypatch.setattr(plan_validate, "measure", lambda point, timeout: pytest.fail(f"measured {point['name']}"))
-    assert plan_validate.main(["--tiled", "--no-write"]) == 2
-    assert "tiled_layer is not in ParallelismConfig" in capsys.readouterr().err
-
-
-def test_tiled_measures_every_point_once_the_flag_exists(monkeypatch, capsys):
+def test_tiled_measures_every_point(monkeypatch, capsys):
     seen = []
 
     def fake(point, timeout):
@@ -38,10 +29,9 @@ def test_tiled_measures_every_point_once_the_flag_exists(monkeypatch, capsys):
         peak = plan_validate.predict(point, 0.05).peak_gib
         return {"measured_gib": peak, "per_rank_gib": [peak]}
 
-    monkeypatch.setattr(plan_validate, "tiled_layer_available", lambda: True)
     monkeypatch.setattr(plan_validate, "measure", fake)
     assert plan_validate.main(["--tiled", "--no-write"]) == 0
     assert [p["name"] for p in seen] == [plan_validate.CALIBRATION["name"]] + [
         p["name"] for p in plan_validate.TILED_POINTS
     ]
-    assert "sp1-s32768-all-flags-tiled-layer16 / sp1-s32768-all-flags: measured" in capsys.readouterr().out
+    assert "sp1-s8192-all-flags-tiled-layer8 / sp1-s8192-all-flags: measured" in capsys.readouterr().out
