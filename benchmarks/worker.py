@@ -158,11 +158,13 @@ def _parallelism(spec: dict[str, Any], world: int) -> Any:
 def flags_active(model: Any) -> dict[str, bool]:
     """Whether each memory flag changed the model as it should (a flag that did nothing must not pass)."""
     from hf_longctx.memory.offload import offloaded_checkpoint
+    from hf_longctx.memory.tiled_layer import _TiledLayer
 
     layer = model.model.layers[0]
     func = getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
     return {"tiled_loss": len(model.lm_head._forward_hooks) > 0, "tiled_mlp": "forward" in vars(layer.mlp),
-            "offload_activations": func is offloaded_checkpoint}  # fmt: skip
+            "offload_activations": func is offloaded_checkpoint,
+            "tiled_layer": isinstance(vars(layer).get("forward"), _TiledLayer)}  # fmt: skip
 
 
 def _trainer(spec: dict[str, Any], model: Any, data: Any, common: dict[str, Any], callbacks: list) -> Any:
@@ -285,7 +287,8 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open("/proc/self/status") as f:
         host_peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    flags = [k for k in ("tiled_loss", "tiled_mlp", "offload_activations") if spec.get("sp_options", {}).get(k)]
+    options = spec.get("sp_options", {})
+    flags = [k for k in ("tiled_loss", "tiled_mlp", "offload_activations", "tiled_layer") if options.get(k)]
     return {
         "rank": rank, "steps": steps_cb.steps, "op_profile": steps_cb.op_profile,
         "process_peak_bytes": memory.process_peak, "run_peak_bytes": memory.process_peak - start,
