@@ -42,6 +42,7 @@ from hf_longctx.distributed.comm import all_to_all
 from hf_longctx.memory.layer_match import untiled_reason, weight_shape
 from hf_longctx.memory.offload import HostOffload, offloaded_checkpoint
 from hf_longctx.memory.tile_attention import KVGradients, plan_pieces, release_kv, tile_attention
+from hf_longctx.memory.tile_split import split_tiles
 from hf_longctx.memory.tiled_mlp import _AgreedTiles, _restore_forward, _zero3, tiled_call
 from hf_longctx.memory.tiling import auto_tiles
 
@@ -154,9 +155,10 @@ class _TiledLayer:
 
 
 def _parts(x: torch.Tensor, embeddings: tuple[torch.Tensor, torch.Tensor], n: int) -> list[tuple]:
-    """The layer input's `n` sequence tiles, each with its rotary cos and sin."""
+    """The layer input's `n` sequence tiles (their gradients reach `x` through one buffer), each with its rotary
+    cos and sin."""
     cos, sin = (torch.tensor_split(t, n, dim=1) for t in embeddings)  # [bs, n, hs] each
-    return list(zip(torch.tensor_split(x, n, dim=1), cos, sin, strict=True))
+    return list(zip(split_tiles(x, n, dim=1), cos, sin, strict=True))
 
 
 def _same(t: Any) -> Any:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from hf_longctx.distributed.comm import all_reduce_max
+from hf_longctx.memory.tile_split import split_tiles
 from hf_longctx.memory.tiling import auto_tiles
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def tiled_call(forward: Callable[..., Any], x: torch.Tensor, tiles: int, *args: 
         ValueError: `forward` does not return a tensor shaped like its input's tokens.
     """
     outs = []
-    for part in torch.tensor_split(x, tiles, dim=-2):
+    for part in split_tiles(x, tiles, dim=-2):  # each slice's gradient lands in one buffer
         if torch.is_grad_enabled():
             out = checkpoint(forward, part, *args, use_reentrant=False, **kwargs)
         else:
