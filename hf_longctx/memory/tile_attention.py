@@ -23,6 +23,7 @@ import torch
 
 from hf_longctx.attention.ring.lse_kernels import choose_kernel, lse_dtype
 from hf_longctx.attention.ring.plan import merge_block
+from hf_longctx.memory.tile_split import GradientSum, release
 
 
 @dataclass(frozen=True)
@@ -66,43 +67,23 @@ def plan_pieces(segments: list[list[tuple[int, int]]], spans: list[tuple[int, in
 
 
 class KVGradients:
-    """dK/dV of one layer call, summed over its tiles' pieces in float32 (float64 for float64 K/V)."""
+    """dK/dV of one layer call, summed over its tiles' pieces in float32 (float64 for float64 K/V); set up by
+    `release_kv`."""
 
     def __init__(self) -> None:
-        self.dk: torch.Tensor | None = None
-        self.dv: torch.Tensor | None = None
+        self.sums: tuple[GradientSum, ...] = ()
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, row: slice, keys: slice, gk: torch.Tensor, gv: torch.Tensor):
-        if self.dk is None:
-            self.dk = torch.zeros(k.shape, dtype=lse_dtype(k.dtype), device=k.device)
-            self.dv = torch.zeros(v.shape, dtype=lse_dtype(v.dtype), device=v.device)
-        self.dk[row, :, keys] += gk
-        self.dv[row, :, keys] += gv
-
-    def take(self, k_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The sums in K/V's dtypes (None when no tile ran a backward), forgetting them."""
-        dk, dv, self.dk, self.dv = self.dk, self.dv, None, None
-        return (dk.to(k_dtype) if dk is not None else None), (dv.to(v_dtype) if dv is not None else None)
-
-
-class _ReleaseKV(torch.autograd.Function):
-    """K and V as the tiles read them; its backward runs once every tile's has (they are its only consumers)
-    and returns what they added to `grads`."""
-
-    @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, grads: KVGradients):
-        ctx.set_materialize_grads(False)  # the tiles give K/V no gradient of their own
-        ctx.grads, ctx.dtypes = grads, (k.dtype, v.dtype)
-        return k.view_as(k), v.view_as(v)
-
-    @staticmethod
-    def backward(ctx, *_: torch.Tensor | None):
-        return (*ctx.grads.take(*ctx.dtypes), None)
+    def add(self, row: slice, keys: slice, gk: torch.Tensor, gv: torch.Tensor) -> None:
+        dk, dv = self.sums
+        dk.add((row, slice(None), keys), gk)
+        dv.add((row, slice(None), keys), gv)
 
 
 def release_kv(k: torch.Tensor, v: torch.Tensor, grads: KVGradients) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V for a layer's `tile_attention` calls, whose dK/dV reach `k` and `v` once, summed in `grads`."""
-    return _ReleaseKV.apply(k, v, grads)
+    """K and V for a layer's `tile_attention` calls, whose dK/dV reach `k` and `v` once, summed in `grads`: its
+    backward runs once every tile's has (they are its only consumers)."""
+    grads.sums = (GradientSum(k, lse_dtype(k.dtype)), GradientSum(v, lse_dtype(v.dtype)))
+    return release((k, v), grads.sums)
 
 
 def _kernel(q: torch.Tensor, v: torch.Tensor):
@@ -146,7 +127,7 @@ class _TileAttention(torch.autograd.Function):
                 scale=ctx.scale,
             )
             dq[r, :, rows] += gq
-            ctx.grads.add(k, v, r, keys, gk, gv)
+            ctx.grads.add(r, keys, gk, gv)
         return dq.to(q.dtype), None, None, None, None, None
 
 

@@ -6,7 +6,8 @@ whole-size zero-fills and additions in backward (O(n x T) memory traffic: at 2M 
 512 tiles of 16 GiB each per layer) and one whole-size temporary next to the accumulated gradient. Here the
 tiles' backward add their rows into one buffer of the input's size, handed to the input once after the
 last tile (DeepSpeed's TiledMLP fills a preallocated input gradient the same way; this module is the split
-that `tiled_mlp`, `tiled_layer` and the tiled final norm share).
+that `tiled_mlp`, `tiled_layer` and the tiled final norm share). `GradientSum` and `release` are the mechanism,
+also used by `tile_attention` for the float32 sum of every tile's dK/dV.
 """
 
 from __future__ import annotations
@@ -14,53 +15,60 @@ from __future__ import annotations
 import torch
 
 
-class _TileGradients:
-    """The input's gradient, assembled from its tiles' (allocated at the first tile's backward)."""
+class GradientSum:
+    """The gradient of one tensor, summed from its pieces' into one buffer (allocated at the first piece's
+    backward, in `dtype` or else the pieces' own) and handed to the tensor once by `release`, in its dtype."""
 
-    def __init__(self, x: torch.Tensor, dim: int) -> None:
-        self.shape, self.dim = x.shape, dim
+    def __init__(self, like: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        self.shape, self.dtype, self.out_dtype = like.shape, dtype, like.dtype
         self.buffer: torch.Tensor | None = None
 
-    def add(self, start: int, grad: torch.Tensor) -> None:
+    def add(self, index: tuple[slice, ...], grad: torch.Tensor) -> None:
         if self.buffer is None:
-            self.buffer = torch.zeros(self.shape, dtype=grad.dtype, device=grad.device)
-        self.buffer.narrow(self.dim, start, grad.shape[self.dim]).add_(grad)
+            self.buffer = torch.zeros(self.shape, dtype=self.dtype or grad.dtype, device=grad.device)
+        self.buffer[index] += grad
 
     def take(self) -> torch.Tensor | None:
         buffer, self.buffer = self.buffer, None
-        return buffer
+        return None if buffer is None else buffer.to(self.out_dtype)
 
 
-class _Whole(torch.autograd.Function):
-    """The input as its tiles read it; its backward runs after every tile's (they are its consumers) and
-    returns their assembled gradient (plus any gradient of its own)."""
+class _Release(torch.autograd.Function):
+    """The tensors as their pieces' consumers read them; its backward runs after every consumer's and returns
+    each tensor's summed gradient (plus any gradient of its own)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, grads: _TileGradients) -> torch.Tensor:
+    def forward(ctx, sums: tuple[GradientSum, ...], *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
-        ctx.grads = grads
-        return x.view_as(x)
+        ctx.sums = sums
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor | None):
-        buffer = ctx.grads.take()
-        if grad is not None:
-            buffer = grad if buffer is None else buffer.add_(grad)
-        return buffer, None
+    def backward(ctx, *grads: torch.Tensor | None):
+        out = []
+        for total, grad in zip(ctx.sums, grads, strict=True):
+            buffer = total.take()
+            out.append(grad if buffer is None else buffer if grad is None else buffer.add_(grad))
+        return (None, *out)
+
+
+def release(tensors: tuple[torch.Tensor, ...], sums: tuple[GradientSum, ...]) -> tuple[torch.Tensor, ...]:
+    """`tensors` for consumers that add their gradients to `sums` (one per tensor) instead of returning them."""
+    return _Release.apply(sums, *tensors)
 
 
 class _Tile(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, whole: torch.Tensor, start: int, length: int, grads: _TileGradients) -> torch.Tensor:
+    def forward(ctx, whole: torch.Tensor, dim: int, start: int, length: int, total: GradientSum) -> torch.Tensor:
         ctx.set_materialize_grads(False)
-        ctx.start, ctx.grads = start, grads
-        return whole.narrow(grads.dim, start, length)
+        ctx.index, ctx.total = (slice(None),) * dim + (slice(start, start + length),), total
+        return whole.narrow(dim, start, length)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
         if grad is not None:
-            ctx.grads.add(ctx.start, grad)
-        return None, None, None, None
+            ctx.total.add(ctx.index, grad)
+        return None, None, None, None, None
 
 
 def split_tiles(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
@@ -68,12 +76,11 @@ def split_tiles(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
     through one buffer instead of one whole-size gradient per tile."""
     if not (torch.is_grad_enabled() and x.requires_grad) or n <= 1:
         return torch.tensor_split(x, n, dim)
-    dim = dim % x.dim()
-    grads = _TileGradients(x, dim)
-    whole = _Whole.apply(x, grads)
+    dim, total = dim % x.dim(), GradientSum(x)
+    (whole,) = release((x,), (total,))
     size, tiles, start = x.shape[dim], [], 0
     for i in range(n):
         length = size // n + (1 if i < size % n else 0)  # tensor_split's sizes: the first size % n are longer
-        tiles.append(_Tile.apply(whole, start, length, grads))
+        tiles.append(_Tile.apply(whole, dim, start, length, total))
         start += length
     return tuple(tiles)
