@@ -1,0 +1,161 @@
+"""The README and the docs site: the site builds strictly, every page is in its nav and linked from the README,
+every relative link of the README and of the pages resolves (anchors as GitHub and mkdocs both spell them), the
+tests they name exist, and the README's test command is CI's."""
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+
+
+def _hooks():
+    """scripts/mkdocs_hooks.py: the link parser the site build uses."""
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pages():
+    return sorted(DOCS.glob("*.md"))
+
+
+def _nav_pages(nav):
+    for item in nav:
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            for value in item.values():
+                yield from _nav_pages(value) if isinstance(value, list) else [value]
+
+
+def _headings(path: Path) -> list[str]:
+    text = re.sub(r"^(```|~~~).*?^\1[ \t]*$", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return [m.group(1).strip() for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M)]
+
+
+def _plain(heading: str) -> str:
+    heading = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links -> their text
+    return heading.replace("`", "").replace("*", "")
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor: lower case, punctuation but `-` and `_` dropped, each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", _plain(heading).lower()).replace(" ", "-")
+
+
+def toc_slug(heading: str) -> str:
+    """Python-Markdown's `toc` anchor (what mkdocs validates): ASCII, punctuation dropped, runs of `-`/space one `-`."""
+    text = unicodedata.normalize("NFKD", _plain(heading)).encode("ascii", "ignore").decode()
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(path: Path) -> set[str]:
+    """Anchors that work both on GitHub and on the site: a heading's two slugs must agree."""
+    return {github_slug(h) for h in _headings(path) if github_slug(h) == toc_slug(h)}
+
+
+def _check_links(page: Path) -> list[str]:
+    """Every relative link of `page`: an existing file inside the repository, its anchor a heading of the target."""
+    hooks = _hooks()
+    errors = []
+    for raw in hooks.markdown_links(page.read_text(encoding="utf-8")):
+        if not hooks.is_relative(raw) and not raw.startswith("#"):
+            if raw.startswith("/") or raw.startswith("file:"):
+                errors.append(f"{raw}: absolute local path")
+            continue
+        target, _, fragment = raw.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        if not path.is_relative_to(ROOT):
+            errors.append(f"{raw}: outside the repository")
+        elif not path.exists():
+            errors.append(f"{raw}: no such file")
+        elif fragment and path.suffix == ".md" and fragment not in _anchors(path):
+            errors.append(
+                f"{raw}: no heading of {path.relative_to(ROOT)} has the anchor #{fragment} on GitHub and mkdocs"
+            )
+    return errors
+
+
+def test_mkdocs_build_is_strict_and_clean(tmp_path):
+    """A broken link or anchor, a page missing from nav, or a link out of the repository fails the build."""
+    assert importlib.util.find_spec("mkdocs") and importlib.util.find_spec("material"), (
+        "mkdocs and mkdocs-material come with the dev extra: bash scripts/install.sh dev"
+    )
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not re.search(r"^WARNING", done.stderr, flags=re.M), done.stderr
+    for page in _pages():
+        built = tmp_path / ("index.html" if page.stem == "index" else f"{page.stem}/index.html")
+        assert built.is_file(), built
+    # repository files the pages link to are copied into the site, e.g. the benchmark plots
+    assert (tmp_path / "_repo" / "benchmarks" / "results" / "2026-12-01-memory-peak.png").is_file()
+
+
+def test_every_docs_page_is_in_the_nav_and_linked_from_the_readme():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    nav = set(_nav_pages(config["nav"]))
+    pages = {p.name for p in _pages()}
+    assert pages == nav, f"in docs/ but not in nav: {pages - nav}; in nav but not in docs/: {nav - pages}"
+    linked = {
+        Path(raw.partition("#")[0]).name
+        for raw in _hooks().markdown_links(README.read_text(encoding="utf-8"))
+        if raw.startswith("docs/")
+    }
+    assert pages - {"index.md"} <= linked, f"docs pages the README does not link: {pages - {'index.md'} - linked}"
+
+
+def test_every_relative_link_in_the_readme_resolves():
+    errors = _check_links(README)
+    assert not errors, "\n".join(errors)
+    text = README.read_text(encoding="utf-8")
+    assert "shared/" not in text and "/work/" not in text, "the README links or names something outside the repo"
+
+
+@pytest.mark.parametrize("page", [p.name for p in _pages()])
+def test_every_relative_link_in_a_docs_page_resolves(page):
+    errors = _check_links(DOCS / page)
+    assert not errors, "\n".join(errors)
+
+
+def test_the_tests_the_docs_name_exist():
+    """`test_x.py` and `test_x.py::test_name` in the README and the pages name a test file and function that exist."""
+    files = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        files.setdefault(path.name, []).append(path)
+        files[str(path.relative_to(ROOT))] = [path]
+    errors = []
+    for doc in [README, *_pages()]:
+        text = doc.read_text(encoding="utf-8")
+        for m in re.finditer(r"\b((?:tests/[\w/]+/)?test_\w+\.py)(?:::(\w+))?", text):
+            name, function = m.groups()
+            candidates = files.get(name) or files.get(Path(name).name)
+            if not candidates:
+                errors.append(f"{doc.name}: {name} does not exist")
+            elif function and not any(re.search(rf"def {function}\b", p.read_text()) for p in candidates):
+                errors.append(f"{doc.name}: {name}::{function} does not exist")
+    assert not errors, "\n".join(sorted(set(errors)))
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_cmd = shlex.split(re.search(r'^TEST_CMD="([^"]+)"', ci, flags=re.M).group(1))
+    assert "bash scripts/install.sh dev" in ci
+    section = README.read_text(encoding="utf-8").split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    assert f"bash scripts/install.sh dev && {shlex.join(test_cmd)}" in lines, lines
