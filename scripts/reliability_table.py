@@ -1,4 +1,4 @@
-"""Run the fault, resume and bad-input tests and print the README's reliability table from what they measured.
+"""Run the fault, resume and bad-input tests and print docs/reliability.md's table from what they measured.
 
     python scripts/reliability_table.py   # ~3-5 min on 2 cores: benchmarks/results/<date>-reliability.{json,md}
     python scripts/reliability_table.py --from-json benchmarks/results/<date>-reliability.json   # re-render

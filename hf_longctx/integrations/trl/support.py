@@ -87,7 +87,8 @@ def supported_summary() -> str:
     return (
         "transformers' Trainer (and subclasses), "
         + ", ".join(names)
-        + " (see the hf_longctx README, 'TRL trainers'); or train without parallelism_config / with sp_size=1"
+        + " (see the support matrix in hf_longctx's README and docs/trainers.md);"
+        + " or train without parallelism_config / with sp_size=1"
     )
 
 
