@@ -3,7 +3,7 @@
 `tile_attention(q, k, v, pieces, scale)` is the main entry, used by `tiled_layer`. A tile's queries
 attend, inside their document, to every earlier key: per (row, document) that is a fully visible
 prefix `[doc start, tile start)` plus a square causal block on the diagonal. Both run on the LSE
-kernels of ring attention (`attention/ring/lse_kernels.py`) and are merged by log-sum-exp, so no mask
+block kernels of ring attention (`attention/lse/`) and are merged by log-sum-exp, so no mask
 is ever built. Backward calls each piece's kernel backward with the merged output and LSE, which
 gives exact partial gradients (the ring's argument).
 
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_longctx.attention.ring.lse_kernels import choose_kernel, lse_dtype
-from hf_longctx.attention.ring.plan import merge_block
+from hf_longctx.attention.lse.choose import choose_kernel
+from hf_longctx.attention.lse.contract import lse_dtype
+from hf_longctx.attention.lse.merge import merge_block
 from hf_longctx.memory.tile_split import GradientSum, release
 
 
@@ -87,7 +88,7 @@ def release_kv(k: torch.Tensor, v: torch.Tensor, grads: KVGradients) -> tuple[to
 
 
 def _kernel(q: torch.Tensor, v: torch.Tensor):
-    return choose_kernel(q.device.type, q.dtype, masked=False, same_head_size=q.shape[-1] == v.shape[-1])
+    return choose_kernel(q.device.type, q.dtype, masked=False, head_dims=(q.shape[-1], v.shape[-1]))
 
 
 class _TileAttention(torch.autograd.Function):

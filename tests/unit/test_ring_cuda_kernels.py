@@ -1,6 +1,6 @@
-"""The ring's CUDA kernel paths, on CPU: flash-attn's private functions as real `torch.library.custom_op`
-stand-ins (`tests/_flash_standin.py`), the dispatch and its log, the varlen path for packed documents
-(segments, never a dense mask; empty rows never computed) and the memory-efficient kernel's aligned bias."""
+"""flash-attn's kernels as block kernels, on CPU: its private functions as real `torch.library.custom_op`
+stand-ins (`tests/_flash_standin.py`), their detection, the dispatch and its log, and the varlen path for packed
+documents (segments, never a dense mask). torch's own CUDA kernels: tests/unit/test_lse_contracts.py."""
 
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ import math
 import pytest
 import torch
 
-from hf_longctx.attention.ring import cuda_kernels as C
-from hf_longctx.attention.ring import lse_kernels as L
-from hf_longctx.attention.ring.plan import VisibilityRule, fix_empty_rows, merge_block, plan_block, plan_ring
+from hf_longctx.attention.lse import choose as L
+from hf_longctx.attention.lse import flash_attn as C
+from hf_longctx.attention.lse.cpu import CpuFlashKernel, MathKernel
+from hf_longctx.attention.lse.merge import merge_block
+from hf_longctx.attention.ring.plan import VisibilityRule, plan_block, plan_ring
 from hf_longctx.data.layout import layout_indices
 from tests import _flash_standin as F
+from tests._virtual_ring import virtual_ring
 
 
 @pytest.fixture
 def fresh_dispatch(monkeypatch):
     """A new process as far as kernel selection goes: no cached probe, nothing logged yet."""
-    L._flash.cache_clear()
+    L._cuda.cache_clear()
     monkeypatch.setattr(L, "_LOGGED", set())
     yield
-    L._flash.cache_clear()
+    L._cuda.cache_clear()
 
 
 def _qkv(bs=2, h=4, hkv=2, n=6, m=5, d=8, seed=0, dtype=torch.float64):
@@ -40,13 +43,13 @@ def test_flash_attn_custom_ops_are_detected_and_called_with_their_arguments(monk
     assert varlen is not None and varlen.name == "flash_attn_2_varlen"
     q, k, v, dout = _qkv(n=5)
     out, lse = dense.forward(q, k, v, causal=True, allowed=None, scale=0.3)
-    ref_out, ref_lse = L.MathKernel().forward(q, k, v, causal=True, allowed=None, scale=0.3)
+    ref_out, ref_lse = MathKernel().forward(q, k, v, causal=True, allowed=None, scale=0.3)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse.float(), rtol=0, atol=1e-6)
     grads = dense.backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3)
     for got, want in zip(
         grads,
-        L.MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3),
+        MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3),
         strict=True,
     ):
         assert got.shape == want.shape
@@ -60,16 +63,25 @@ def test_flash_attn_custom_ops_are_detected_and_called_with_their_arguments(monk
 def test_flash_attn_is_chosen_on_cuda_and_the_choice_is_logged_once(monkeypatch, fresh_dispatch, caplog):
     F.install_private(monkeypatch)
     caplog.set_level(logging.INFO, logger=L.__name__)
-    bf16 = torch.bfloat16
-    assert L.choose_kernel("cuda", bf16, masked=False).name == "flash_attn_2"
-    assert L.choose_kernel("cuda", bf16, masked=False).name == "flash_attn_2"
-    assert L.choose_kernel("cuda", bf16, masked=True, varlen=True).name == "flash_attn_2_varlen"
-    assert L.choose_kernel("cuda", bf16, masked=True).name == "cuda_efficient"  # window / chunk masks
-    assert L.choose_kernel("cuda", torch.float32, masked=True, varlen=True).name == "cuda_efficient"
-    assert L.choose_kernel("cuda", bf16, masked=True, varlen=True, same_head_size=False).name == "cuda_efficient"
+    bf16, cuda = torch.bfloat16, L._cuda()
+
+    def name(dtype, **kw):
+        return L.choose_kernel("cuda", dtype, kernels=cuda, **{"masked": False, **kw}).name
+
+    assert name(bf16) == name(bf16) == "flash_attn_2"
+    assert name(bf16, masked=True, varlen=True) == "flash_attn_2_varlen"
+    assert name(bf16, masked=True) == "cuda_efficient"  # window / chunk masks
+    assert name(torch.float32, masked=True, varlen=True) == "cuda_efficient"
+    assert name(bf16, masked=True, varlen=True, head_dims=(192, 128)) == "cuda_efficient"
     lines = [r.getMessage() for r in caplog.records if "blocks use" in r.getMessage()]
-    assert lines.count("ring attention: cuda torch.bfloat16 dense blocks use the flash_attn_2 kernel") == 1
-    assert "ring attention: cuda torch.bfloat16 packed blocks use the flash_attn_2_varlen kernel" in lines
+    assert (
+        lines.count("block attention: cuda torch.bfloat16 dense (head sizes 64/64) blocks use the flash_attn_2 kernel")
+        == 1
+    )
+    assert (
+        "block attention: cuda torch.bfloat16 packed (head sizes 64/64) blocks use the flash_attn_2_varlen kernel"
+        in lines
+    )
     assert len(lines) == 5  # one per (device, dtype, block kind, head sizes)
     assert any("flash-attn probe: flash_attn_2" in r.getMessage() for r in caplog.records)
 
@@ -79,17 +91,17 @@ def test_fa3_custom_ops_are_detected_for_dense_and_varlen_blocks(monkeypatch, fr
     dense, varlen, found = C.detect_flash_attn()
     assert dense.name == "flash_attn_3" and varlen.name == "flash_attn_3_varlen" and "flash_attn_interface" in found
     q, k, v, dout = _qkv(n=5, m=5)
-    ref_out, ref_lse = L.MathKernel().forward(q, k, v, causal=True, allowed=None, scale=0.3)
+    ref_out, ref_lse = MathKernel().forward(q, k, v, causal=True, allowed=None, scale=0.3)
     out, lse = dense.forward(q, k, v, causal=True, allowed=None, scale=0.3)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     grads = dense.backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3)
-    want = L.MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3)
+    want = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal=True, allowed=None, scale=0.3)
     for got, ref in zip(grads, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     doc = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
     plan = plan_block(torch.arange(5), torch.arange(5), VisibilityRule(doc))
     out, _ = varlen.forward(q, k, v, causal=False, allowed=None, scale=0.3, segments=plan.segments)
-    ref_out, _ = L.MathKernel().forward(q, k, v, causal=False, allowed=plan.mask(2), scale=0.3)
+    ref_out, _ = MathKernel().forward(q, k, v, causal=False, allowed=plan.mask(2), scale=0.3)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     assert [c for name, c in F.PRIVATE_CALLS if name.startswith("fa3")] == [
         {"causal": True, "varlen": False},
@@ -98,12 +110,13 @@ def test_fa3_custom_ops_are_detected_for_dense_and_varlen_blocks(monkeypatch, fr
     ]
 
 
-def test_old_flash_attn_is_refused_with_a_reason_and_packed_blocks_use_torch_varlen(monkeypatch, fresh_dispatch):
+def test_old_flash_attn_is_refused_with_a_reason_and_blocks_use_torchs_flash(monkeypatch, fresh_dispatch):
     F.install_private(monkeypatch, version="2.6.3")
     dense, varlen, found = C.detect_flash_attn()
     assert dense is None and varlen is None and "older than 2.7.0" in found
-    assert L.choose_kernel("cuda", torch.float16, masked=False).name == "cuda_efficient"
-    assert L.choose_kernel("cuda", torch.float16, masked=True, varlen=True) is C.TORCH_VARLEN
+    cuda = L.cuda_kernels()
+    assert L.choose_kernel("cuda", torch.float16, masked=False, kernels=cuda).name == "torch_flash"
+    assert L.choose_kernel("cuda", torch.float16, masked=True, varlen=True, kernels=cuda).name == "torch_flash_varlen"
 
 
 def _unknown_forward(q, k, v, softmax_scale, causal, brand_new_required):
@@ -140,38 +153,6 @@ def test_packed_blocks_are_planned_as_segments_without_a_dense_mask(monkeypatch)
             assert p.segments.cu_q.dtype == torch.int32 and isinstance(p.segments.max_q, int)
 
 
-def _virtual_ring(q, k, v, dout, world, rule, scale, kernel_for):
-    """Every rank's out and dq/dk/dv, block by block as the ring computes them (one process)."""
-    seq = q.shape[2]
-    idx = [layout_indices("zigzag", r, world, seq) for r in range(world)]
-    outs, dq, dk, dv = (torch.zeros_like(t) for t in (q, q, k, v))
-    for rank in range(world):
-        plans = plan_ring(idx, rank, rule)
-        ql, dol = q[:, :, idx[rank]], dout[:, :, idx[rank]]
-        out = torch.zeros(ql.shape, dtype=torch.float64)
-        lse = torch.full(ql.shape[:-1], -math.inf, dtype=torch.float64)
-        for src, p in enumerate(plans):
-            if p is not None:
-                kb, vb = k[:, :, idx[src]][:, :, p.cols], v[:, :, idx[src]][:, :, p.cols]
-                o, lb = kernel_for(p).forward(
-                    ql[:, :, p.rows], kb, vb, causal=p.causal, allowed=p.allowed, scale=scale, segments=p.segments
-                )
-                merge_block(out, lse, o, fix_empty_rows(lb.double(), p), p.rows)
-        outs[:, :, idx[rank]] = out
-        for src, p in enumerate(plans):
-            if p is not None:
-                r, c = p.rows, p.cols
-                kb, vb = k[:, :, idx[src]][:, :, c], v[:, :, idx[src]][:, :, c]
-                gq, gk, gv = kernel_for(p).backward(
-                    dol[:, :, r], ql[:, :, r], kb, vb, out[:, :, r], lse[:, :, r],
-                    causal=p.causal, allowed=p.allowed, scale=scale, segments=p.segments,
-                )  # fmt: skip
-                dq[:, :, idx[rank][r]] += gq
-                dk[:, :, idx[src][c]] += gk
-                dv[:, :, idx[src][c]] += gv
-    return outs, dq, dk, dv
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_varlen_path_matches_float64_attention_over_packed_documents(monkeypatch, world):
     F.install_private(monkeypatch)
@@ -181,11 +162,11 @@ def test_varlen_path_matches_float64_attention_over_packed_documents(monkeypatch
     q, k, v, dout = _qkv(n=seq, m=seq, seed=world)
     used = []
 
-    def kernel_for(plan):
+    def kernel_for(q, plan):
         used.append(plan.segments is not None)
-        return varlen if plan.segments is not None else L.CpuFlashKernel()
+        return varlen if plan.segments is not None else CpuFlashKernel()
 
-    got = _virtual_ring(q, k, v, dout, world, rule, 0.35, kernel_for)
+    got = virtual_ring(q, k, v, dout, world, "zigzag", rule, 0.35, kernel_for)
     pos = torch.arange(seq)
     allowed = rule.allowed(pos, pos)[:, None]
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
@@ -199,24 +180,6 @@ def test_varlen_path_matches_float64_attention_over_packed_documents(monkeypatch
     assert all(c["cu_seqlens_q"][-1] > 0 for n, c in F.PRIVATE_CALLS if n == "varlen_forward")
 
 
-def test_rows_that_see_no_key_are_zero_and_minus_inf_by_construction(monkeypatch):
-    F.install_private(monkeypatch)
-    _, varlen, _ = C.detect_flash_attn()
-    # Queries at 8..11, keys at 0..7: row 0's document 1 spans 6..9, row 1's spans 6..8, so the crop
-    # (queries 8, 9) holds a row of batch 1 that sees no key.
-    doc = torch.tensor([[0] * 6 + [1] * 4 + [2] * 2, [0] * 6 + [1] * 3 + [2] * 3])
-    plan = plan_block(torch.arange(8, 12), torch.arange(0, 8), VisibilityRule(doc))
-    assert plan.segments is not None and plan.empty_rows.tolist() == [[False, False], [False, True]]
-    q, k, v, _ = _qkv(bs=2, n=4, m=8)
-    kb, vb = k[:, :, plan.cols], v[:, :, plan.cols]
-    out, lse = varlen.forward(q[:, :, plan.rows], kb, vb, causal=False, allowed=None, scale=0.5, segments=plan.segments)
-    assert torch.equal(out[1, :, 1], torch.zeros_like(out[1, :, 1]))
-    assert bool((lse[1, :, 1] == -math.inf).all()) and bool(torch.isfinite(lse[0]).all())
-    assert not bool(out.isnan().any())
-    (_, call), *_ = [c for c in F.PRIVATE_CALLS if c[0] == "varlen_forward"]
-    assert call["cu_seqlens_q"].tolist() == [0, 2, 3]  # the empty row never reaches the kernel
-
-
 def test_merge_ignores_a_nan_output_on_rows_whose_block_lse_is_minus_inf():
     out = torch.zeros(1, 1, 2, 3, dtype=torch.float64)
     lse = torch.full((1, 1, 2), -math.inf, dtype=torch.float64)
@@ -228,51 +191,6 @@ def test_merge_ignores_a_nan_output_on_rows_whose_block_lse_is_minus_inf():
     assert not bool(out.isnan().any())
     torch.testing.assert_close(out, torch.ones_like(out))
     torch.testing.assert_close(lse, torch.tensor([[[math.log(2.0), 0.0]]], dtype=torch.float64))
-
-
-class _EfficientOps:
-    """Records torch's memory-efficient ops' bias as the CUDA kernel would receive it; computes them in math."""
-
-    def __init__(self):
-        self.biases = []
-
-    def _check(self, bias, q):
-        assert bias.shape == (q.shape[0], q.shape[1], q.shape[2], self.nk)
-        assert bias.stride(-1) == 1 and bias.stride(-2) % C.MEM_EFF_ALIGNMENT == 0, bias.stride()
-        assert bias.stride(1) == 0  # heads broadcast, never copied per head
-        self.biases.append(bias)
-        return ~torch.isinf(bias[:, :1])
-
-    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout_p, causal, *, scale):
-        assert compute_lse and dropout_p == 0.0
-        out, lse = L.MathKernel().forward(q, k, v, causal=causal, allowed=self._check(bias, q), scale=scale)
-        return out, torch.nn.functional.pad(lse, (0, 32 - lse.shape[-1] % 32)), None, None  # padded LSE
-
-    def _scaled_dot_product_efficient_attention_backward(
-        self, dout, q, k, v, bias, out, lse, s, o, p, need, causal, *, scale
-    ):
-        assert lse.shape[-1] == q.shape[2]
-        allowed = self._check(bias, q)
-        return (*L.MathKernel().backward(dout, q, k, v, out, lse, causal=causal, allowed=allowed, scale=scale), None)
-
-
-@pytest.mark.parametrize("width", [13, 16, 21])
-def test_efficient_kernel_gets_an_aligned_broadcast_bias_for_any_crop_width(width):
-    ops = _EfficientOps()
-    ops.nk = width
-    kernel = C.CudaEfficientKernel(ops)
-    q, k, v, dout = _qkv(n=7, m=width)
-    allowed = torch.rand(2, 1, 7, width, generator=torch.Generator().manual_seed(width)) > 0.4
-    allowed[..., 0] = True
-    out, lse = kernel.forward(q, k, v, causal=False, allowed=allowed, scale=0.4)
-    ref_out, ref_lse = L.MathKernel().forward(q, k, v, causal=False, allowed=allowed, scale=0.4)
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(lse, ref_lse.float())
-    grads = kernel.backward(dout, q, k, v, ref_out, ref_lse, causal=False, allowed=allowed, scale=0.4)
-    ref = L.MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal=False, allowed=allowed, scale=0.4)
-    for got, want in zip(grads, ref, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the kernel's LSE is float32
-    assert len(ops.biases) == 2
 
 
 def test_tile_attention_on_flash_attn_reads_kv_in_place(monkeypatch):

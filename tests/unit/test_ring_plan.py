@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.attention.ring.cuda_kernels import flash_call_kwargs
-from hf_longctx.attention.ring.lse_kernels import CpuFlashKernel, MathKernel
-from hf_longctx.attention.ring.plan import VisibilityRule, fix_empty_rows, merge_block, plan_block, plan_ring
+from hf_longctx.attention.lse.cpu import CpuFlashKernel, MathKernel
+from hf_longctx.attention.lse.flash_attn import flash_call_kwargs
+from hf_longctx.attention.lse.merge import merge_block
+from hf_longctx.attention.ring.plan import VisibilityRule, plan_block, plan_ring
 from hf_longctx.data.layout import layout_indices
 
 
@@ -49,10 +50,6 @@ def test_plans_cover_exactly_the_visible_pairs(rule_name, kind, world):
             want = rule.allowed(indices[rank], indices[src])
             got = _covered(plan, len(indices[rank]), len(indices[src]), doc.shape[0])
             assert torch.equal(got.expand_as(want), want), (rank, src, plan)
-            if plan is not None and plan.masked:
-                mask = plan.mask(doc.shape[0])[:, 0]
-                empty = plan.empty_rows if plan.empty_rows is not None else torch.zeros_like(mask[..., 0])
-                assert torch.equal(empty.expand(mask.shape[:-1]), ~mask.any(-1))
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -85,15 +82,42 @@ def test_merge_equals_one_softmax_over_all_keys_and_ignores_empty_blocks():
     assert not torch.isnan(out).any()
 
 
-def test_cpu_kernel_reports_lse_zero_for_empty_rows_and_the_fix_restores_minus_inf():
+def test_cpu_kernel_turns_the_lse_zero_of_rows_without_keys_into_minus_inf():
+    """torch's CPU flash kernel reports LSE 0 for a fully masked row (not -inf), which would silently down-weight
+    every other block of that row in the merge: the adapter clears such rows."""
     q = torch.randn(1, 2, 3, 4, dtype=torch.float64)
     allowed = torch.tensor([[True, True], [False, False], [True, False]]).view(1, 1, 3, 2)
+    raw = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, q[:, :, :2], q[:, :, :2], 0.0, False, attn_mask=torch.where(allowed, 0.0, float("-inf")).double()
+    )[1]
+    assert float(raw[0, 0, 1]) == 0.0  # the trap: not -inf
     out, lse = CpuFlashKernel().forward(q, q[:, :, :2], q[:, :, :2], causal=False, allowed=allowed, scale=1.0)
-    assert float(lse[0, 0, 1]) == 0.0  # the trap: not -inf
-    _, ref = MathKernel().forward(q, q[:, :, :2], q[:, :, :2], causal=False, allowed=allowed, scale=1.0)
-    plan = plan_block(torch.arange(3), torch.arange(2), VisibilityRule(None))  # any plan with empty rows:
-    plan = type(plan)(slice(0, 3), slice(0, 2), False, allowed, ~allowed[:, 0].any(-1))
-    torch.testing.assert_close(fix_empty_rows(lse, plan), ref)
+    ref_out, ref = MathKernel().forward(q, q[:, :, :2], q[:, :, :2], causal=False, allowed=allowed, scale=1.0)
+    torch.testing.assert_close(lse, ref)
+    torch.testing.assert_close(out, ref_out)
+    assert bool((out[0, :, 1] == 0).all())
+
+
+def test_long_documents_in_zigzag_blocks_are_planned_as_segments_not_masks():
+    """A document longer than half the row spans both zigzag chunks of a rank: its queries form two runs of
+    positions, each seeing the keys before it. Planned as two segments (keys listed in both), never as a mask."""
+    seq, world = 64, 4
+    doc = torch.tensor([[0] * 6 + [1] * 50 + [2] * 8])
+    indices = [layout_indices("zigzag", r, world, seq) for r in range(world)]
+    for rank in range(world):
+        for src, plan in enumerate(plan_ring(indices, rank, VisibilityRule(doc))):
+            if plan is None:
+                continue
+            assert plan.allowed is None, (rank, src)
+            want = VisibilityRule(doc).allowed(indices[rank], indices[src])[:, plan.rows, plan.cols]
+            got = plan.mask(1)[:, 0] if plan.masked else None
+            if got is not None:
+                assert torch.equal(got, want), (rank, src)
+    # Rank 2 holds positions 16..23 and 40..47, both of document 1; of rank 0's keys (0..7, 56..63) both runs see
+    # document 1's 6 and 7: two segments listing the same two keys.
+    plan = plan_ring(indices, 2, VisibilityRule(doc))[0]
+    assert plan.segments.cu_q.tolist() == [0, 8, 16] and plan.segments.cu_k.tolist() == [0, 2, 4]
+    assert plan.segments.k_tokens.tolist() == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -3,8 +3,8 @@
 `ring_attention(q, k, v, spec)` is the main entry. Each ring rank keeps its queries; key/value
 blocks either travel around the ring ("p2p", pass-KV: the next block is in flight while the current
 one computes, O(S/R) memory) or are all-gathered once per layer ("allgather": one collective each
-way, O(S) transient memory). Every block's (out, LSE) from an LSE kernel (`lse_kernels.py`) is merged
-in fp32 (fp64 for fp64 inputs) as planned by `ring_plan.py`.
+way, O(S) transient memory). Every block's (out, LSE) from a block kernel (`attention/lse/`) is merged
+in fp32 (fp64 for fp64 inputs) as planned by `plan.py`.
 
 Backward (the exactness argument): with the *global* output O and LSE L of a row, the softmax
 gradient splits over key blocks exactly (D_i = rowsum(dO_i * O_i) of the global O; P_ij =
@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_longctx.attention.ring.lse_kernels import lse_dtype, select_kernel
-from hf_longctx.attention.ring.plan import BlockPlan, fix_empty_rows, merge_block
+from hf_longctx.attention.lse.choose import select_kernel
+from hf_longctx.attention.lse.contract import lse_dtype
+from hf_longctx.attention.lse.merge import merge_block
+from hf_longctx.attention.ring.plan import BlockPlan
 from hf_longctx.distributed.ring_comm import RingComm
 from hf_longctx.instrument.measure import CollectiveStats, active_recorder
 
@@ -66,7 +68,7 @@ class _KV:
 
 
 def _kernel(q: torch.Tensor, v: torch.Tensor, plan: BlockPlan):
-    return select_kernel(q, plan, q.shape[-1] == v.shape[-1])
+    return select_kernel(q, plan, v.shape[-1])
 
 
 def _blocks(flat: torch.Tensor, spec: RingSpec, stats: CollectiveStats | None) -> Iterator[tuple[int, torch.Tensor]]:
@@ -106,7 +108,7 @@ class _RingAttention(torch.autograd.Function):
                 scale=spec.scale,
                 segments=plan.segments,
             )
-            merge_block(out, lse, block_out, fix_empty_rows(block_lse, plan), plan.rows)
+            merge_block(out, lse, block_out, block_lse, plan.rows)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.stats = spec, stats

@@ -1,4 +1,4 @@
-"""The pure half of ring attention: which query rows meet which keys, and the online-softmax merge.
+"""The pure half of ring attention: which query rows meet which keys.
 
 A ring rank holds the tokens at global positions `q_index` (increasing); at some step it holds the
 keys of another ring rank, at positions `k_index`. Query i may see key j when j <= i, both belong to
@@ -7,9 +7,9 @@ chunk (chunked attention). `plan_block` turns that rule into the smallest kernel
 (skip), a crop of rows and columns that is fully visible, a square causal crop (the kernel's causal
 flag), or a crop plus a boolean mask. Crops make zigzag's balanced half-blocks fall out by themselves.
 Packed documents alone (no window, no chunk) are planned from document runs in O(n), never from a
-dense mask: each block becomes varlen `Segments` (one per batch row and document that meets keys
-in the block), which CUDA runs with a varlen flash kernel and the CPU kernels turn into a mask.
-`merge_block` folds one block's (out, LSE) into the running fp32 result.
+dense mask: each block becomes varlen `Segments` (one per batch row and run of a document's queries that meets
+keys in the block), which CUDA runs with a varlen flash kernel and the CPU kernels turn into a mask. The blocks'
+(out, LSE) are merged by `attention/lse/merge.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from hf_longctx.attention.lse.segments import Segments
 
 
 @dataclass(frozen=True)
@@ -52,58 +54,17 @@ class VisibilityRule:
 
 
 @dataclass(frozen=True)
-class Segments:
-    """A packed block as varlen segments: every (batch row, document) pair that meets keys in it.
-
-    Tokens are numbered row-major over the crop (query `b * nrows + i`, key `b * ncols + j`);
-    `q_tokens` / `k_tokens` list the participating ones segment after segment, bounded by `cu_q` /
-    `cu_k` (int32, from 0; on the tokens' device). Every segment is fully visible (`causal=False`) or
-    square causal over the same positions (`causal=True`). Query rows of no segment see no key: they
-    are never computed, so their out is 0 and their LSE -inf by construction."""
-
-    q_tokens: torch.Tensor
-    k_tokens: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    causal: bool
-
-    def mask(self, bs: int, nrows: int, ncols: int) -> torch.Tensor:
-        """The dense boolean `[bs, 1, nrows, ncols]` these segments stand for (for mask kernels)."""
-        seg_q, pos_q = self._numbering(self.q_tokens, self.cu_q, bs * nrows)
-        seg_k, pos_k = self._numbering(self.k_tokens, self.cu_k, bs * ncols)
-        seg_q, pos_q = seg_q.view(bs, nrows, 1), pos_q.view(bs, nrows, 1)
-        seg_k, pos_k = seg_k.view(bs, 1, ncols), pos_k.view(bs, 1, ncols)
-        ok = (seg_q == seg_k) & (seg_q >= 0)
-        return (ok & (pos_k <= pos_q) if self.causal else ok).unsqueeze(1)
-
-    @staticmethod
-    def _numbering(tokens: torch.Tensor, cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token: its segment (-1: none) and its offset inside the segment."""
-        lengths = (cu[1:] - cu[:-1]).long()
-        seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=tokens.device), lengths)
-        offset = torch.arange(tokens.numel(), device=tokens.device) - cu[:-1].long()[seg]
-        seg_of = torch.full((total,), -1, dtype=torch.long, device=tokens.device)
-        pos_of = torch.zeros(total, dtype=torch.long, device=tokens.device)
-        seg_of[tokens], pos_of[tokens] = seg, offset
-        return seg_of, pos_of
-
-
-@dataclass(frozen=True)
 class BlockPlan:
     """One kernel call: queries `rows` of the local block against keys `cols` of the source block.
 
     `allowed` `[bs or 1, 1, nrows, ncols]` is set only when neither "all visible" nor "square causal"
-    describes the crop, and `segments` instead of it for packed documents; `empty_rows` `[bs, nrows]`
-    marks rows of the crop that see no key (their LSE must become -inf before the merge), None when
-    there are none."""
+    describes the crop, and `segments` instead of it for packed documents. Rows of the crop that see no key come
+    back from every kernel with out 0 and LSE -inf (`attention/lse/contract.py`)."""
 
     rows: slice
     cols: slice
     causal: bool
     allowed: torch.Tensor | None = field(default=None, repr=False)
-    empty_rows: torch.Tensor | None = field(default=None, repr=False)
     segments: Segments | None = field(default=None, repr=False)
 
     @property
@@ -161,13 +122,10 @@ def plan_block(q_index: torch.Tensor, k_index: torch.Tensor, rule: VisibilityRul
         tril = torch.ones(q.numel(), q.numel(), dtype=torch.bool, device=crop.device).tril()
         if bool((crop == tril).all()):
             return BlockPlan(rows, cols, causal=True)
-    empty = ~crop.any(-1)
-    return BlockPlan(
-        rows, cols, causal=False, allowed=crop.unsqueeze(1), empty_rows=empty if bool(empty.any()) else None
-    )
+    return BlockPlan(rows, cols, causal=False, allowed=crop.unsqueeze(1))
 
 
-_PARTIAL = object()  # a document pair seen only in part: not expressible as segments
+_PARTIAL = object()  # document ids that are not a cumulative count: the dense rule decides
 
 
 def _runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,25 +141,40 @@ def _spans(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts - first, lengths) + torch.arange(int(lengths.sum()), device=starts.device)
 
 
+def _document_pairs(q_index: torch.Tensor, k_index: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, diagonal: bool):
+    """(q starts, q ends, k starts, k ends) of one batch row's segments: index ranges of the local queries and of
+    the keys they see, every pair fully visible (or square causal on the diagonal block)."""
+    kv, ks, ke = _runs(dk)
+    if diagonal:  # one square causal segment per document run (local order follows global positions)
+        qv, qs, qe = _runs(dq)
+    else:
+        # Split each document's queries where positions jump: another rank's keys never fall inside a run of
+        # consecutive positions, so a run sees exactly its document's keys before its first position (a prefix of
+        # that document's keys) and nothing after. Zigzag's two chunks per rank give two runs of a long document.
+        jumps = torch.cat([q_index.new_zeros(1), (q_index[1:] != q_index[:-1] + 1).long().cumsum(0)])
+        _, qs, qe = _runs(dq * (q_index.numel() + 1) + jumps)  # (document, run) pairs, non-decreasing
+        qv = dq[qs]
+    at = torch.searchsorted(kv, qv).clamp(max=kv.numel() - 1)
+    hit = kv[at] == qv
+    qs, qe, ks, ke = qs[hit], qe[hit], ks[at[hit]], ke[at[hit]]
+    if not diagonal:
+        ke = torch.minimum(ke, torch.searchsorted(k_index, q_index[qs]))  # keys before the run's first query
+        seen = ke > ks
+        qs, qe, ks, ke = qs[seen], qe[seen], ks[seen], ke[seen]
+    return qs, qe, ks, ke
+
+
 def _plan_documents(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor):
-    """Plan packed documents from runs of document ids: a `BlockPlan`, None (skip) or `_PARTIAL`."""
+    """Plan packed documents from runs of document ids: a `BlockPlan`, None (skip) or `_PARTIAL`.
+
+    Exact for any two ring blocks: the diagonal block (the same positions) or disjoint position sets."""
     diagonal = q_index.numel() == k_index.numel() and bool(torch.equal(q_index, k_index))
-    pairs = []  # per batch row: (q starts, q ends, k starts, k ends) of the document pairs that meet
+    pairs = []  # per batch row: (q starts, q ends, k starts, k ends) of the segments
     for b in range(doc.shape[0]):
         dq, dk = doc[b, q_index], doc[b, k_index]
         if bool((dq[1:] < dq[:-1]).any()) or bool((dk[1:] < dk[:-1]).any()):
-            return _PARTIAL  # not a cumulative document count: the dense rule decides
-        qv, qs, qe = _runs(dq)
-        kv, ks, ke = _runs(dk)
-        at = torch.searchsorted(kv, qv).clamp(max=kv.numel() - 1)
-        hit = kv[at] == qv
-        qs, qe, ks, ke = qs[hit], qe[hit], ks[at[hit]], ke[at[hit]]
-        if not diagonal:
-            meets = k_index[ks] <= q_index[qe - 1]
-            qs, qe, ks, ke = qs[meets], qe[meets], ks[meets], ke[meets]
-            if not bool((k_index[ke - 1] <= q_index[qs]).all()):
-                return _PARTIAL
-        pairs.append((qs, qe, ks, ke))
+            return _PARTIAL
+        pairs.append(_document_pairs(q_index, k_index, dq, dk, diagonal))
     if not any(p[0].numel() for p in pairs):
         return None
     r0, r1 = min(int(p[0].min()) for p in pairs if p[0].numel()), max(int(p[1].max()) for p in pairs if p[1].numel())
@@ -214,10 +187,9 @@ def _plan_documents(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Ten
     rows, cols = slice(r0, r1), slice(c0, c1)
     if q_len.numel() == doc.shape[0] and bool((q_len == nr).all()) and bool((k_len == nc).all()):
         return BlockPlan(rows, cols, causal=diagonal)  # one document over the whole crop in every row
-    q_tokens = _spans(q_starts, q_len)
     zero = torch.zeros(1, dtype=torch.int32, device=q_index.device)
     segments = Segments(
-        q_tokens=q_tokens,
+        q_tokens=_spans(q_starts, q_len),
         k_tokens=_spans(k_starts, k_len),
         cu_q=torch.cat([zero, q_len.cumsum(0).int()]),
         cu_k=torch.cat([zero, k_len.cumsum(0).int()]),
@@ -225,38 +197,9 @@ def _plan_documents(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Ten
         max_k=int(k_len.max()),
         causal=diagonal,
     )
-    empty = torch.ones(doc.shape[0] * nr, dtype=torch.bool, device=q_index.device)
-    empty[q_tokens] = False
-    empty = empty.view(doc.shape[0], nr)
-    return BlockPlan(rows, cols, causal=False, empty_rows=empty if bool(empty.any()) else None, segments=segments)
+    return BlockPlan(rows, cols, causal=False, segments=segments)
 
 
 def plan_ring(indices: list[torch.Tensor], rank: int, rule: VisibilityRule) -> tuple[BlockPlan | None, ...]:
     """Plans of ring rank `rank` against every ring rank's keys; `indices[i]` = ring rank i's positions."""
     return tuple(plan_block(indices[rank], indices[src], rule) for src in range(len(indices)))
-
-
-def fix_empty_rows(lse: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
-    """Set the LSE of rows that see no key in this block to -inf (the CPU kernel reports 0 there,
-    which would silently down-weight every other block of that row in the merge)."""
-    if plan.empty_rows is None:
-        return lse
-    return lse.masked_fill(plan.empty_rows[:, None, :], float("-inf"))
-
-
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice):
-    """Fold one block's result into the running `out` `[bs, hc, sq, hs]` / `lse` `[bs, hc, sq]` (in place).
-
-    L = logaddexp(L_a, L_b), O = exp(L_a - L) O_a + exp(L_b - L) O_b. A row whose block LSE is -inf
-    saw no key in this block: its block output is ignored (selected away, never multiplied by 0, so
-    a NaN or garbage output from a kernel on an empty row cannot leak), and rows where both sides are
-    -inf keep O = 0 and L = -inf instead of NaN.
-    """
-    run_out, run_lse = out[:, :, rows], lse[:, :, rows]
-    new = torch.logaddexp(run_lse, block_lse)
-    safe = new.masked_fill(new == float("-inf"), 0.0)
-    run_out.mul_(torch.exp(run_lse - safe).unsqueeze(-1))
-    seen = (block_lse != float("-inf")).unsqueeze(-1)
-    contribution = block_out.to(out.dtype) * torch.exp(block_lse - safe).unsqueeze(-1)
-    run_out.add_(torch.where(seen, contribution, torch.zeros((), dtype=out.dtype, device=out.device)))
-    run_lse.copy_(new)
