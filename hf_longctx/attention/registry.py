@@ -5,6 +5,11 @@ attention (a Ulysses wrapper of the model's own kernel, or ring / hybrid attenti
 (other models in the process keep theirs), points the model's text config at that key, claims the
 token layout on `groups` (what `shard_batch` produces), and adds one forward pre-hook that
 all-gathers the global `position_ids` once per forward. Everything is undone by `handle.remove()`.
+
+With single-process groups (`SequenceParallelGroups.single()`, what `sp_size=1` uses) the same attention runs
+the model's kernel per document of `position_ids` with no mask at all (transformers would build a dense
+`[S, S]` one for packed rows); a forward it cannot serve that way (a filled KV cache, left padding: generation)
+runs with the model's own attention implementation, its own mask included, restored for that forward only.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from hf_longctx.attention.ring.hybrid import check_ring_model, hybrid_attention
 from hf_longctx.attention.ulysses import ulysses_attention
 from hf_longctx.data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
 from hf_longctx.data.layout import LAYOUT_KEY, to_global_order
+from hf_longctx.data.sharding import position_ids_from_cu_seqlens
 from hf_longctx.data.validation import ModelLimits
 from hf_longctx.distributed.comm import all_gather_sequence
 from hf_longctx.distributed.groups import SequenceParallelGroups
@@ -51,6 +57,7 @@ class SequenceParallelHandle:
         self.backend = backend  # what runs: Ulysses, ring or hybrid, its degrees and token layout
         self.context: SequenceContext | None = None
         self.attention_calls = 0  # attention calls in the current forward (see `_check_layers`)
+        self._left_to_model: str | None = None  # our attention key, while a forward runs the model's own
         self.linear_calls = 0  # head-parallel linear-attention calls in the current forward
         self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
         self.num_linear = len(linear_layers(model))  # decoder layers whose token mixer is linear attention
@@ -83,6 +90,13 @@ class SequenceParallelHandle:
         for key in PRIVATE_KEYS:
             kwargs.pop(key, None)
         position_ids = kwargs.get("position_ids")
+        if not self.groups.sp_enabled:
+            position_ids = _single_process_positions(kwargs)
+            if position_ids is None:  # generation: the model's own attention and mask run this forward
+                self.context = None
+                self._left_to_model = _attention_config(self.model)._attn_implementation_internal
+                _attention_config(self.model)._attn_implementation_internal = self.kernel_name
+                return args, kwargs
         if position_ids is None:
             raise ValueError(
                 "Sequence parallelism needs the global position_ids of the shard: call the model with "
@@ -105,8 +119,13 @@ class SequenceParallelHandle:
         return args, kwargs
 
     def _check_layers(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        # Forward hook, the catch-all behind `check_token_mixers`: a decoder layer that called neither the
-        # attention registry nor a head-parallel linear layer mixed tokens some other way on its shard only.
+        # Forward hook (always called): after a forward left to the model, our attention key comes back; else the
+        # catch-all behind `check_token_mixers`: a decoder layer that called neither the attention registry nor
+        # a head-parallel linear layer mixed tokens some other way on its shard only.
+        if self._left_to_model is not None:
+            _attention_config(self.model)._attn_implementation_internal = self._left_to_model
+            self._left_to_model = None
+            return
         attention_layers = self.num_layers - self.num_linear
         if self.attention_calls < attention_layers or self.linear_calls < self.num_linear:
             raise ValueError(
@@ -118,10 +137,11 @@ class SequenceParallelHandle:
                 "hf_longctx.attention.linear.support.ADAPTERS; train this model with sp_size=1."
             )
 
-    def _context_of(self, kwargs: dict[str, Any]) -> SequenceContext:
-        # The forward's context, from the layer's kwargs (replayed by activation checkpointing) or the handle.
+    def _context_of(self, kwargs: dict[str, Any]) -> SequenceContext | None:
+        # The forward's context, from the layer's kwargs (replayed by activation checkpointing) or the handle;
+        # without SP, None means the model's own attention runs (see `_single_process_positions`).
         context = kwargs.pop(CONTEXT_KWARG, None) or self.context
-        if context is None:
+        if context is None and self.groups.sp_enabled:
             raise ValueError("No sequence context: the model must be called through its top-level forward.")
         return context
 
@@ -264,11 +284,13 @@ def enable_sequence_parallel(
     def attention(module: torch.nn.Module, query, key_, value, attention_mask, **kwargs):
         context = handle._context_of(kwargs)
         handle.attention_calls += 1
-        if ring_attention_kwargs is not None:
-            return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
         kernel = kernels.get(type(module))
         if kernel is None:
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
+        if context is None:  # single process, a forward left to the model (generation)
+            return kernel(module, query, key_, value, attention_mask, **kwargs)
+        if ring_attention_kwargs is not None:
+            return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
         call = {"kernel": kernel, "kernel_name": kernel_name, "family": family, "context": context, "groups": groups}
         if ulysses_head_chunks > 1:
             return head_chunked_attention(module, query, key_, value, chunks=ulysses_head_chunks, **call, **kwargs)
@@ -278,7 +300,8 @@ def enable_sequence_parallel(
     try:
         attn_registry[key] = attention
         handle._undo.append(lambda: attn_registry.__delitem__(key))
-        # The mask is built here from global positions; transformers must build none on the shard.
+        # The mask is built here from global positions; transformers must build none on the shard (nor, without SP,
+        # for the full row). transformers 5.x skips mask creation for a key outside its global mapping anyway.
         mask_registry[key] = _no_mask
         handle._undo.append(lambda: mask_registry.__delitem__(key))
         previous = config._attn_implementation_internal
@@ -286,7 +309,7 @@ def enable_sequence_parallel(
         handle._undo.append(lambda: setattr(config, "_attn_implementation_internal", previous))
         hook = model.register_forward_pre_hook(handle._capture_positions, with_kwargs=True)
         handle._undo.append(hook.remove)
-        hook = model.register_forward_hook(handle._check_layers)
+        hook = model.register_forward_hook(handle._check_layers, always_call=True)
         handle._undo.append(hook.remove)
         handle._undo.extend(install_vision_hooks(model, handle))
         patches = attach_linear_layers(model, groups, sp.layout, handle._context_of, handle._count_linear)
@@ -324,6 +347,30 @@ def _ring_kwargs(sp: SPBackend, groups: SequenceParallelGroups) -> dict[str, Any
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _single_process_positions(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """Without SP: the positions whose documents the attention follows, or None when the forward is left to the
+    model's own attention and mask: a KV cache that already holds tokens, or padding that is not right padding
+    (both are generation; training batches are right-padded or packed)."""
+    for name in ("cache", "past_key_values"):  # transformers 5.25 renames past_key_values to cache
+        cache = kwargs.get(name)
+        if cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0:
+            return None
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        m = mask.to(torch.int64)
+        if m.dim() != 2 or bool((m[:, 1:] > m[:, :-1]).any()):
+            return None
+    if kwargs.get("position_ids") is not None:
+        return kwargs["position_ids"]
+    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if ids is None:
+        return None
+    bs, sl = ids.shape[:2]
+    if kwargs.get("cu_seq_lens_q") is not None and bs == 1:
+        return position_ids_from_cu_seqlens(kwargs["cu_seq_lens_q"].cpu(), sl).to(ids.device)
+    return torch.arange(sl, device=ids.device).expand(bs, sl)
 
 
 def _no_zero_denominator(kwargs: dict[str, Any]) -> None:

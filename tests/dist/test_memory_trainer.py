@@ -53,8 +53,12 @@ def test_trainer_with_flags_matches_without(world_size, out_root, record_propert
         assert set(worst) == {"loss", "grad_norm"} and len(off["logs"]) == 3
         assert U.rel_diff(on["eval_loss"][7], off["eval_loss"][7]) <= RTOL
         assert U.rel_diff(on["predict"]["loss"], off["predict"]["loss"]) <= RTOL
+        # Real tokens only: at sp_size=1 the config runs hf_longctx's per-document attention, under which a
+        # right-padding position also sees the padding before it (its logits are read by no loss).
         got, want = on["predict"]["predictions"], off["predict"]["predictions"]
-        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        real = np.asarray(off["predict"]["label_ids"]) != -100
+        assert got.shape == want.shape and real.sum() > 0
+        assert np.abs(got[real] - want[real]).max() <= 1e-5 * np.abs(want[real]).max()
         record_property(f"trainer_max_rel_diff_sp{world_size}", worst)
 
 

@@ -214,8 +214,11 @@ def test_heads_not_divisible_by_sp_size_raises_listing_valid_sizes():
 
 
 def test_forward_without_position_ids_raises_naming_shard_batch():
+    """Under SP (here a 2-rank view of one process: the check runs before any collective) a shard must come with
+    its global positions; without SP (`SINGLE`) they are the row's own (tests/unit/test_single_attention.py)."""
     model = tiny_model("llama")
-    with enable_sequence_parallel(model, SINGLE):
+    two = SequenceParallelGroups(sp_group=None, sp_rank=0, sp_world_size=2, dp_group=None, dp_rank=0, dp_world_size=1)
+    with enable_sequence_parallel(model, two):
         with pytest.raises(ValueError, match="shard_batch"):
             model(input_ids=torch.tensor([[1, 2, 3, 4]]))
 

@@ -196,6 +196,11 @@ def head_parallel_forward(
         context = context_of(kwargs)
         on_call()
         _check_no_cached_state(module, cache)
+        if context is None:  # a single-process handle left this forward (left padding) to the model
+            raise ValueError(
+                "hf_longctx's linear-attention layers take right-padded or packed rows; remove the handle "
+                "(handle.remove()) to run this model on left-padded ones."
+            )
         bs, sl_l, _ = hidden_states.shape
         if context.position_ids.shape != (bs, sl_l * ws):
             raise ValueError(

@@ -27,8 +27,8 @@ from hf_longctx.distributed.groups import SequenceParallelGroups, validate_sp_si
 from hf_longctx.integrations.trainer.dataloader import prepare_data_loader
 from hf_longctx.integrations.trainer.metrics import gather_for_metrics
 from hf_longctx.integrations.trainer.patches import install_trainer_patches
+from hf_longctx.integrations.trainer.single import attach_single, detach_single
 from hf_longctx.integrations.trainer.state import STATE_ATTR, SequenceParallelState, sp_hidden, sp_state
-from hf_longctx.memory.attach import attach_memory_flags, detach_memory_flags
 
 logger = logging.getLogger(__name__)
 EXIT_DRAIN_S = 0.1  # see _destroy_default_group_at_exit
@@ -54,7 +54,7 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
 
     install_resume_patch()  # a ZeRO resume at another world size, at any sp_size (resume.py)
     if config.sp_size == 1:
-        attach_memory_flags(config, accelerator)  # the memory flags apply without SP too
+        attach_single(config, accelerator)  # hf_longctx's attention (no [S, S] mask) and the memory flags
         return None
     state = SequenceParallelState(config, SequenceParallelGroups.build(config.sp_size))
     _wrap_accelerator(accelerator, state)
@@ -144,7 +144,7 @@ def detach(trainer_or_accelerator: Any) -> None:
     trains without SP.
     """
     accelerator = getattr(trainer_or_accelerator, "accelerator", trainer_or_accelerator)
-    detach_memory_flags(accelerator)
+    detach_single(accelerator)
     state = sp_state(accelerator)
     if state is None:
         return

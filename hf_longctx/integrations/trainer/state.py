@@ -48,7 +48,8 @@ class SequenceParallelState:
     def check(self, model: Any) -> None:
         """Validate a model SP will run (heads, kernel, token mixers) once, without changing it."""
         model = _unwrap(model)
-        if id(model) in self.checked or getattr(model, "config", None) is None:
+        enabled = any(h.model is model for h in self.handles)  # checked when enabled (its kernel is ours now)
+        if id(model) in self.checked or enabled or getattr(model, "config", None) is None:
             return
         options = {**self.config.attention_options(), "ranks_per_node": self.groups.ranks_per_node}
         check_model(model, self.groups.sp_world_size, **options)

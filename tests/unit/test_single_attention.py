@@ -1,0 +1,87 @@
+"""hf_longctx's attention without SP (`SequenceParallelGroups.single()`, what `sp_size=1` attaches): the model's
+kernel per document of `position_ids`, with no mask built by transformers; generation (a filled KV cache, left
+padding) runs the model's own attention and mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_longctx import SequenceParallelGroups, enable_sequence_parallel
+from hf_longctx.integrations.trainer.single import document_attention_refusal
+from tests._models import tiny_model
+
+SINGLE = SequenceParallelGroups.single()
+
+
+def _masks_built(monkeypatch) -> list:
+    """Record every mask transformers' `create_causal_mask` returns to a Llama forward."""
+    from transformers.models.llama import modeling_llama
+
+    seen, own = [], modeling_llama.create_causal_mask
+
+    def recording(*args, **kwargs):
+        mask = own(*args, **kwargs)
+        seen.append(mask)
+        return mask
+
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", recording)
+    return seen
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_train_like_each_document_alone_with_no_mask(monkeypatch, attn):
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in (7, 9, 8)]).unsqueeze(0)
+    ref_model, model = tiny_model("llama", attn=attn), tiny_model("llama", attn=attn)
+    bounds = [0, 7, 16, 24]
+    want = torch.cat([ref_model(input_ids=ids[:, a:b]).logits for a, b in zip(bounds[:-1], bounds[1:], strict=True)], 1)
+    with enable_sequence_parallel(model, SINGLE):
+        masks = _masks_built(monkeypatch)
+        got = model(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert masks and all(m is None for m in masks)  # transformers built no [S, S] mask
+
+
+def test_right_padded_rows_without_position_ids_match_the_model_on_real_tokens():
+    ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    ref_model, model = tiny_model("llama"), tiny_model("llama")
+    want = ref_model(input_ids=ids, attention_mask=mask).logits
+    with enable_sequence_parallel(model, SINGLE) as handle:
+        got = model(input_ids=ids, attention_mask=mask).logits
+        assert handle.context is not None and handle.context.single_document  # served: positions 0..9 per row
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_generation_runs_the_models_own_attention_and_mask(monkeypatch):
+    """Left padding (a generation prefill) and a filled KV cache (decoding) are left to the model: same tokens."""
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    ref_model, model = tiny_model("llama"), tiny_model("llama")
+    ref_model.config.use_cache = model.config.use_cache = True
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    want = ref_model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    with enable_sequence_parallel(model, SINGLE) as handle:
+        masks = _masks_built(monkeypatch)
+        got = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        assert handle.context is None  # the last forward was left to the model
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[1:, :3], use_cache=True, cache=cache)  # served (no padding)
+        assert handle.context is not None and model.config._attn_implementation == handle.key
+        model(input_ids=ids[1:, 3:4], use_cache=True, cache=cache)  # decoding: left to the model
+        assert handle.context is None and model.config._attn_implementation == handle.key  # restored after
+    assert torch.equal(got, want)
+    assert any(m is not None for m in masks)  # the model's own mask where it ran its own attention
+
+
+def test_document_attention_is_refused_where_it_cannot_serve():
+    config = type("C", (), {"ulysses_head_chunks": 1})()
+    assert document_attention_refusal(tiny_model("llama"), config) is None
+    from tests.dist._linear_jobs import tiny_qwen3_next
+
+    assert "linear-attention" in document_attention_refusal(tiny_qwen3_next(), config)
