@@ -1,6 +1,6 @@
 """The block kernels on one GPU (`attention/lse/`): what `select_kernel` picks for every block of a ring.
 
-No second GPU is needed: a virtual ring (`tests/_virtual_ring.py`) loops over P ranks in one process with the same
+No second GPU is needed: a virtual ring (`attention/ring/virtual.py`) loops over P ranks in one process with the same
 planner, kernels and merge the ring runs per step (the backward with the merged output and LSE), and compares every
 rank's output and dq/dk/dv with float64 autograd of an explicit masked softmax. fp16/bf16 are held to the error of
 the same kernels on the whole row (world 1: one block), x2, plus what the ring adds by design: each block's output
@@ -17,8 +17,8 @@ import torch
 
 from hf_longctx.attention.lse.choose import choose_kernel, select_kernel
 from hf_longctx.attention.ring.plan import VisibilityRule, plan_ring
+from hf_longctx.attention.ring.virtual import reference, virtual_ring
 from hf_longctx.data.layout import layout_indices
-from tests._virtual_ring import reference, virtual_ring
 
 pytestmark = pytest.mark.gpu
 EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-10}  # fp32: 1e-3, as this test always had

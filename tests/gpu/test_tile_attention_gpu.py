@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_longctx.attention.lse.choose import choose_kernel
+from hf_longctx.attention.ring.virtual import reference
 from hf_longctx.memory.tile_attention import KVGradients, plan_pieces, release_kv, tile_attention
-from tests._virtual_ring import reference
 
 pytestmark = pytest.mark.gpu
 EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-10}

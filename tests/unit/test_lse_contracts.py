@@ -17,8 +17,8 @@ from hf_longctx.attention.lse.cpu import CpuFlashKernel, MathKernel
 from hf_longctx.attention.lse.efficient import EfficientKernel, bmhk_out, padded_lse
 from hf_longctx.attention.lse.torch_flash import TorchFlashKernel, torch_flash_varlen
 from hf_longctx.attention.ring.plan import VisibilityRule, plan_block
+from hf_longctx.attention.ring.virtual import reference, virtual_ring
 from tests._cuda_standins import AtenOps, EfficientOps, FlashOps, raw_read
-from tests._virtual_ring import reference, virtual_ring
 
 BF16 = torch.bfloat16
 

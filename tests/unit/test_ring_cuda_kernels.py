@@ -15,9 +15,9 @@ from hf_longctx.attention.lse import flash_attn as C
 from hf_longctx.attention.lse.cpu import CpuFlashKernel, MathKernel
 from hf_longctx.attention.lse.merge import merge_block
 from hf_longctx.attention.ring.plan import VisibilityRule, plan_block, plan_ring
+from hf_longctx.attention.ring.virtual import virtual_ring
 from hf_longctx.data.layout import layout_indices
 from tests import _flash_standin as F
-from tests._virtual_ring import virtual_ring
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 from hf_longctx.attention.lse.cpu import CpuFlashKernel, MathKernel
 from hf_longctx.attention.lse.flash_attn import flash_call_kwargs
 from hf_longctx.attention.lse.merge import merge_block
-from hf_longctx.attention.ring.plan import VisibilityRule, plan_block, plan_ring
+from hf_longctx.attention.ring.plan import VisibilityRule, plan_ring
 from hf_longctx.data.layout import layout_indices
 
 
