@@ -10,6 +10,7 @@ completion. Generation runs on the plain model on every rank; the log-prob forwa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import datasets
@@ -19,6 +20,7 @@ from trl import GRPOConfig, GRPOTrainer, TrlParser
 import hf_longctx
 from hf_longctx.data.defaults import gpt2_tokenizer, load_corpus, tiny_llama
 from hf_longctx.integrations.trainer import sp_state
+from hf_longctx.integrations.trl.grpo import grpo_config
 
 
 @dataclass
@@ -37,11 +39,24 @@ def count_e(completions: list[str], **kwargs: object) -> list[float]:
     return [float(str(c).count("e")) for c in completions]
 
 
+def parse_args() -> tuple[GRPORecipeArguments, GRPOConfig]:
+    """The recipe's arguments and the GRPOConfig. With sp_size > 1 the config is built again by `grpo_config`
+    from the same parsed values: TRL's own refuses SP and sizes the generation batch counting every process as
+    a data-parallel rank, while the SP ranks of a group share their prompts."""
+    parser = TrlParser((GRPORecipeArguments, GRPOConfig))
+    recipe, args = parser.parse_args_and_config()
+    if recipe.sp_size == 1:
+        return recipe, args
+    # parse_args_and_config made the YAML values the parser's defaults: this namespace is what GRPOConfig was given.
+    namespace, _ = parser.parse_known_args()
+    names = [f.name for f in dataclasses.fields(GRPOConfig) if f.init and hasattr(namespace, f.name)]
+    values = {name: getattr(namespace, name) for name in names}
+    values["parallelism_config"] = hf_longctx.ParallelismConfig(sp_size=recipe.sp_size)
+    return recipe, grpo_config(**values)
+
+
 def main() -> None:
-    recipe, args = TrlParser((GRPORecipeArguments, GRPOConfig)).parse_args_and_config()
-    if recipe.sp_size > 1:
-        # Parsed without SP, so TRL's GRPOConfig check passed; `grpo_config` is the way to build one directly.
-        args.parallelism_config = hf_longctx.ParallelismConfig(sp_size=recipe.sp_size)
+    recipe, args = parse_args()
     if recipe.dataset_name is None:
         text = next(iter(load_corpus().values()))
         n = recipe.prompt_chars

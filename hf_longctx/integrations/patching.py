@@ -32,7 +32,9 @@ class Patch:
         current = self.owner.__dict__.get(self.name) if isinstance(self.owner, type) else getattr(self.owner, self.name)
         if current is None:
             raise ValueError(f"{self.owner!r} defines no {self.name!r} to patch.")
-        if getattr(current, PATCH_MARKER, False):
+        # Only the owner's own attribute counts as patched: an instance reading a patched class method is not.
+        own = current if isinstance(self.owner, type) else getattr(self.owner, "__dict__", {}).get(self.name)
+        if getattr(own, PATCH_MARKER, False):
             return
         replacement = functools.wraps(current)(self.make(current))
         setattr(replacement, PATCH_MARKER, True)

@@ -83,12 +83,30 @@ def _trainer(
     model: Any = None,
     reward=toy_reward,
     sp_options: dict | None = None,
+    base: type | None = None,
+    trainer_kwargs: dict | None = None,
     **overrides: Any,
 ):
     from trl import GRPOTrainer
 
+    base = base or GRPOTrainer
     parallelism = hf_longctx.ParallelismConfig(sp_size=sp, **(sp_options or {})) if sp > 1 else None
-    fields = dict(
+    args = grpo_config(**{**_trainer_fields(out_dir), "parallelism_config": parallelism, **overrides})
+    cls = _skewed(base) if skew else _prompt_seeded(base) if seeded else base
+    trainer = cls(
+        model=tiny_model("llama") if model is None else model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=tiny_tokenizer(),
+        **(trainer_kwargs or {}),
+    )
+    return trainer
+
+
+def _trainer_fields(out_dir: str) -> dict[str, Any]:
+    """The GRPOConfig fields every job starts from."""
+    return dict(
         output_dir=out_dir,
         use_cpu=True,
         report_to=[],
@@ -105,18 +123,7 @@ def _trainer(
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="no",
-        parallelism_config=parallelism,
     )
-    args = grpo_config(**{**fields, **overrides})
-    cls = _skewed(GRPOTrainer) if skew else _prompt_seeded(GRPOTrainer) if seeded else GRPOTrainer
-    trainer = cls(
-        model=tiny_model("llama") if model is None else model,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=_dataset(),
-        processing_class=tiny_tokenizer(),
-    )
-    return trainer
 
 
 def _fixed_inputs() -> dict[str, torch.Tensor]:
@@ -238,4 +245,29 @@ def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         result["diverge"] = None
     except ValueError as exc:
         result["diverge"] = str(exc)
+    result["refusals"] = refusal_job(rank, world_size, os.path.join(out_dir, "refused"))
     return result
+
+
+def refusal_job(rank: int, world_size: int, out_dir: str) -> dict[str, str | None]:
+    """The message each GRPO setup without an exact SP path raises while the trainer is built (None: built)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    def sized_by_every_process() -> None:
+        # As a script that parses a GRPOConfig and sets parallelism_config afterwards: TRL counted 2 DP ranks.
+        args = GRPOConfig(**_trainer_fields(out_dir))
+        args.parallelism_config = hf_longctx.ParallelismConfig(sp_size=world_size)
+        GRPOTrainer(model=tiny_model("llama"), reward_funcs=toy_reward, args=args, train_dataset=_dataset(),
+                    processing_class=tiny_tokenizer())  # fmt: skip
+
+    def rollout_func() -> None:
+        _trainer(out_dir, world_size, trainer_kwargs={"rollout_func": lambda prompts, trainer: {}})
+
+    messages: dict[str, str | None] = {}
+    for name, build in (("sized_by_every_process", sized_by_every_process), ("rollout_func", rollout_func)):
+        try:
+            build()
+            messages[name] = None
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages

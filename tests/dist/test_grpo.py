@@ -6,7 +6,9 @@ gradient (after DDP's average over both ranks), with Ulysses, with ring attentio
 for LoRA adapters under ring. A real 2-step `train()` generating with transformers on CPU finishes with a
 toy reward; with prompt-seeded sampling, a reference model (beta > 0) and a varying reward, its per-step
 metrics and a following `evaluate()` equal the run without SP. SP ranks that generate different
-completions raise instead of hanging.
+completions raise instead of hanging, and setups without an exact path (a config whose generation sizes count SP
+ranks as DP ranks, a `rollout_func`) are refused while the trainer is built. The configurations RL runs use
+(accumulation, iterations, DP x SP, ...) are in `test_grpo_train.py`.
 """
 
 from __future__ import annotations
@@ -91,3 +93,17 @@ def test_train_then_evaluate_match_without_sp(out_root, record_property) -> None
 def test_diverging_generation_raises(out_root) -> None:
     for rank in _sp(out_root):
         assert rank["diverge"] is not None and "generated different completions" in rank["diverge"]
+
+
+@pytest.mark.parametrize(
+    "setup, names",
+    [
+        # A GRPOConfig parsed without SP and given parallelism_config afterwards counted both processes as DP ranks.
+        ("sized_by_every_process", ("generation_batch_size=4", "grpo_config")),
+        ("rollout_func", ("rollout_func=None",)),
+    ],
+)
+def test_setups_without_an_exact_path_are_refused_while_the_trainer_is_built(setup, names, out_root) -> None:
+    for rank in _sp(out_root):
+        message = rank["refusals"][setup]
+        assert message is not None and all(name in message for name in names), message

@@ -106,3 +106,24 @@ def test_patch_of_an_instance_attribute_of_its_own_is_put_back():
     assert holder.fn() == 2
     patch.remove()
     assert vars(holder)["fn"] is original
+
+
+def test_instance_patch_over_a_patched_class_method_applies_and_is_removed():
+    """An instance reading a class method patched by hf_longctx is not itself patched: its own patch applies."""
+
+    class Owner:
+        def step(self) -> int:
+            return 1
+
+    class_patch = Patch(Owner, "step", lambda original: lambda self: original(self) + 10)
+    class_patch.apply()
+    owner = Owner()
+    instance_patch = Patch(owner, "step", lambda original: lambda: original() * 2)
+    try:
+        instance_patch.apply()
+        instance_patch.apply()  # idempotent on the instance
+        assert owner.step() == 22
+    finally:
+        instance_patch.remove()
+        class_patch.remove()
+    assert "step" not in vars(owner) and owner.step() == 1

@@ -6,6 +6,21 @@ model's last-token score) or from generated samples needs its own SP path, and s
 per shard would be wrong. So every TRL trainer is looked up here: supported ones may set up their SP
 path, anything else (a TRL trainer this registry does not know included) raises `NotImplementedError`
 naming the trainer and what works instead, before any step runs.
+
+Where each supported trainer counts processes as data-parallel ranks, and where SP gets the DP view:
+
+- All (transformers' Trainer loop): sampling and the batch split by DP rank and size (`trainer/dataloader.py`);
+  steps, epochs and the total batch size (`trainer/patches.py`: `get_total_train_batch_size`, `get_sp_size`);
+  `num_items_in_batch`, which Trainer gathers over every process from per-shard counts (the shards of an SP
+  group hold disjoint tokens: each counts once); evaluation gathers over the DP group (`trainer/evaluation.py`).
+- SFTTrainer: its metrics (`mean_token_accuracy`, `entropy`, `num_tokens`) are per-shard sums passed to
+  `gather_for_metrics`, which adds them over the SP group before the DP gather (`trainer/metrics.py`).
+- DPOTrainer (`dpo._log_metrics`): per-token metrics as SFT's; per-pair values are whole on every SP rank and
+  gathered over every process for means only, which repeating each DP rank's rows `sp_size` times leaves equal.
+- RewardTrainer (`reward.py`): token counts from per-shard sums; whole scores gathered for min / mean / max only.
+- GRPOTrainer: generation sizes (`grpo.grpo_config`, checked at construction), the sampling RNG
+  (`grpo_generation.py`), and every rank, size and gather of its batch and loss code (`grpo_data_parallel.py`):
+  its statistics (std, quantiles) are not invariant under repetition, so they must see each sample once.
 """
 
 from __future__ import annotations
