@@ -7,6 +7,7 @@ writing one record per optimizer step, and one optional profiled step split by `
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import resource
 import time
@@ -219,6 +220,17 @@ def probe_sample() -> dict[str, float]:
     return {"rss_mib": rss, "threads": threads, "groups": groups}
 
 
+_T0 = time.time()
+
+
+def phase(message: str) -> None:
+    """One timestamped progress line of a job (wall clock, seconds since the process started, rank), flushed at
+    once: a job killed by its budget still says which phase it reached."""
+    rank = os.environ.get("RANK", "0")
+    stamp = time.strftime("%H:%M:%S")
+    print(f"[{stamp} +{time.time() - _T0:7.1f} s rank {rank}] {message}", flush=True)
+
+
 def recorder(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool, profile_step: int | None) -> Any:
     """The `TrainerCallback` that fills `.steps` (and `.op_profile` for the step numbered `profile_step`)."""
     import torch
@@ -236,6 +248,7 @@ def recorder(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool
             self._before: dict[str, Any] = {}
 
         def on_train_begin(self, args, state, control, **kwargs):
+            phase("engine ready, training starts")
             self._last_end = time.perf_counter()
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -273,5 +286,6 @@ def recorder(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool
                  "hf_ops": ours, **probe_sample()}
             )  # fmt: skip
             self._last_end = t1
+            phase(f"step {state.global_step}: {t1 - self._t0:.2f} s, peak {peak / 2**30:.2f} GiB")
 
     return StepRecorder()

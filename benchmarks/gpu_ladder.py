@@ -49,6 +49,21 @@ FLAGS = {"tiled_loss": True, "offload_activations": True, "tiled_layer": True}
 DRY = {"rungs": (2048, 3072, 4096), "throughput": (512, 1024), "layers": 2, "full_layers": 4, "doc_len": 1024}
 
 
+H200_BF16_FLOPS = 989e12  # dense BF16 tensor-core peak, NVIDIA H200 datasheet
+
+
+def model_flops(model: dict[str, Any], seq_len: int, doc_len: int) -> float:
+    """Model FLOPs of one training step on one row (forward + backward = 3 x forward; recompute not counted):
+    6 x matmul parameters x tokens (q, k, v, o, MLP, LM head; not the embedding lookup) plus attention,
+    12 x layers x heads x head_dim x causal pairs (QK^T and PV, forward and backward), per document of a packed row."""
+    h, d, layers = model["hidden"], model["head_dim"], model["layers"]
+    per_layer = h * d * (2 * model["heads"] + 2 * model["kv_heads"]) + 3 * h * model["intermediate"]
+    dense = 6 * (layers * per_layer + h * model["vocab"]) * seq_len
+    doc = doc_len or seq_len
+    pairs = (seq_len // doc) * doc * (doc + 1) // 2 + (seq_len % doc) * (seq_len % doc + 1) // 2
+    return dense + 12 * layers * model["heads"] * d * pairs
+
+
 def model_spec(cpu: bool, layers: int) -> dict[str, Any]:
     """The worker's model: the tiny one (dry run) or Llama-3.1-8B's shipped shape, at `layers` layers."""
     from benchmarks.worker import shipped_shape
@@ -128,7 +143,9 @@ def run_one(args: argparse.Namespace, kind: str, seq_len: int, flags: dict[str, 
                   planned_gib=planned, step_s=step_s, host_peak_gib=round(rank["host_peak_bytes"] / 2**30, 2),
                   flags_active=rank["flags_active"])  # fmt: skip
     if kind == "throughput" and len(step_s) > 1:
-        record["tokens_per_s"] = round(seq_len / statistics.median(step_s[1:]), 1)
+        step = statistics.median(step_s[1:])
+        record["tokens_per_s"] = round(seq_len / step, 1)
+        record["mfu"] = round(model_flops(spec["model"], seq_len, doc_len) / step / H200_BF16_FLOPS, 4)
     inactive = [k for k, on in rank["flags_active"].items() if not on]
     if inactive:
         return {**record, "verdict": "FAIL", "why": f"flags not applied: {inactive}"}
@@ -148,6 +165,7 @@ COLUMNS: list[_results.Column] = [
     ("host peak GiB", lambda r: _results.fmt(r.get("host_peak_gib"))),
     ("step s", lambda r: _results.fmt(r["step_s"][-1], ".1f") if r.get("step_s") else "-"),
     ("tokens/s", lambda r: _results.fmt(r.get("tokens_per_s"), ".0f")),
+    ("MFU", lambda r: _results.fmt(100 * r["mfu"], ".1f") + "%" if r.get("mfu") is not None else "-"),
 ]  # fmt: skip
 
 
@@ -175,6 +193,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-memory", type=float, default=128.0, help="host RAM in GiB (default 128)")
     parser.add_argument("--budget-s", type=float, default=570.0, help="wall-clock budget of the whole ladder")
     parser.add_argument("--out-prefix", default=None)
+    parser.add_argument("--log-dir", type=Path, help="where each job writes its log as it goes (default: a temp dir)")
     args = parser.parse_args(argv)
     dry = DRY if args.cpu_dry_run else {"rungs": RUNGS, "throughput": THROUGHPUT, "full_layers": FULL_LAYERS,
                                         "doc_len": 64 * K}  # fmt: skip
@@ -206,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         device = DEVICES["h200"].with_capacity(torch.cuda.get_device_properties(0).total_memory / 2**30)
     args.layers = args.layers or choose_layers(args.cpu_dry_run, max(args.rungs), args.host_memory, flags, device)
     ctx = {"deadline": start + args.budget_s, "device": device, "stop": stop,
-           "out_dir": Path(tempfile.mkdtemp(prefix="hf_longctx_gpu_ladder_"))}  # fmt: skip
+           "out_dir": args.log_dir or Path(tempfile.mkdtemp(prefix="hf_longctx_gpu_ladder_"))}  # fmt: skip
+    ctx["out_dir"].mkdir(parents=True, exist_ok=True)
     print(f"gpu_ladder: {args.layers} layers (scaled to {args.full_layers}), flags {sorted(flags)}, rungs "
           f"{args.rungs}, documents of {args.doc_len or 'S'} tokens, budget {args.budget_s:.0f} s")  # fmt: skip
     records = []

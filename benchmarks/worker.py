@@ -33,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks._measure import CommCounter, StepMemory, recorder
+from benchmarks._measure import CommCounter, StepMemory, phase, recorder
 
 ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
@@ -229,6 +229,7 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
+    phase(f"worker started: S={spec.get('seq_len')}, {spec.get('model', {}).get('layers')} layers, {spec['impl']}")
     cuda = spec.get("device", "cpu") == "cuda"
     counter = CommCounter(cuda=cuda)
     counter.install()  # before accelerate / DeepSpeed / hf_longctx bind any collective
@@ -270,6 +271,7 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     else:
         zero3 = spec.get("engine") == "zero3_offload"
         model = build_model(spec["model"], spec["attn"], spec["dtype"], None if zero3 else ("cuda" if cuda else "cpu"))
+    phase("model built")
     local_lens: list[int] = []
     model.register_forward_pre_hook(
         lambda m, a, kw: local_lens.append(int(kw["input_ids"].shape[1])) if not local_lens else None, with_kwargs=True
@@ -279,11 +281,13 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     with record_collectives() if spec["impl"] == "hf_longctx" else contextlib.nullcontext() as hf_stats:
         steps_cb = recorder(counter, memory, hf_stats, cuda, profile_step)
         trainer = _trainer(spec, model, data, common, [steps_cb])
+        phase("trainer built")
         t0 = time.perf_counter()
         try:
             trainer.train()
         finally:
             memory.end()
+    phase("training done")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open("/proc/self/status") as f:
         host_peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

@@ -191,15 +191,17 @@ def test_gpu_check_verdict_fails_on_unexpected_skips_and_errors():
 def test_gpu_check_matrix_skips_are_expected_only_on_cpu_or_when_asked(monkeypatch, tmp_path):
     from benchmarks import gpu_check
 
-    monkeypatch.setattr(gpu_check, "plain_step", lambda *a, **k: (1.0, {}))
-    monkeypatch.setattr(gpu_check, "_errors", lambda *a: (0.0, 1.0))
-    monkeypatch.setattr(gpu_check, "run_cell", lambda attn, dtype, sp, device, log: _cell(attn, "PASS"))
+    jobs = []
+    monkeypatch.setattr(
+        gpu_check, "run_job", lambda attn, backend, n, device, log: jobs.append(backend) or [_cell(attn, "PASS")]
+    )
     monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)  # no flash-attn installed
     cpu = gpu_check.matrix("cpu", tmp_path)
     assert {r["kernel"] for r in cpu if r["status"] == "SKIP"} == {"flash_attention_2", "flex_attention"}
     assert gpu_check.verdict(cpu)[0]  # the CPU dry run cannot run them: expected
+    assert sorted(jobs) == ["hybrid", "ring", "ulysses", "ulysses"]  # every backend has its job
     cuda = gpu_check.matrix("cuda", tmp_path)
-    assert [r["kernel"] for r in cuda if r["status"] == "SKIP"] == ["flash_attention_2"] * 2
+    assert [r["kernel"] for r in cuda if r["status"] == "SKIP"] == ["flash_attention_2"]
     assert not gpu_check.verdict(cuda)[0]  # on CUDA a missing flash-attn fails the check ...
     assert gpu_check.verdict(gpu_check.matrix("cuda", tmp_path, frozenset({"flash_attention_2"})))[
         0
