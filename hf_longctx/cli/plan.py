@@ -176,6 +176,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
         f"hf-longctx plan: {model_name} ({plan.num_params / 1e9:.2f}B parameters), S = {run.seq_len:,} tokens, "
         f"world {run.world}, SP {run.sp}, micro-batch {run.micro_batch} -> {plan.tokens_per_rank:,} tokens per rank",
         f"  {run.engine}, {run.dtype}, {run.attn} attention" + (", " + ", ".join(flags) if flags else ""),
+        f"  attention kernel: {plan.attention_kernel}",
         f"  device {device.name}: {plan.capacity_gib:.2f} GiB; SP backend {run.sp_backend} (modelled: "
         f"{', '.join(SP_BACKENDS)}; not modelled: {', '.join(UNMODELLED_BACKENDS)})",
         f"  host RAM per node (offloaded activations and states, {run.node_ranks} ranks): {plan.host_gib:.2f} GiB, "
@@ -197,6 +198,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
     if plan.max_seq is not None:
         lines.append(f"  longest sequence that fits: {plan.max_seq:,} tokens")
     lines += [f"  note: {note}" for note in plan.notes]
+    lines += [f"  WARNING: {warning}" for warning in plan.warnings]
     return "\n".join(lines)
 
 

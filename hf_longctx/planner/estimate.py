@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hf_longctx.planner.devices import DeviceProfile
+from hf_longctx.planner.kernels import attention_kernel, keeps_transformers_mask
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 from hf_longctx.planner.run import RunConfig
 from hf_longctx.planner.terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes, valid_head_chunks
@@ -53,6 +54,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     host_gib: float = 0.0
     host_capacity_gib: float | None = None
+    attention_kernel: str = ""
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """JSON-ready dict (`hf-longctx plan --json`)."""
@@ -223,6 +226,14 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
             f"--host-memory {run.host_memory_gib:g}: use fewer tokens (--seq-len, --micro-batch), more SP (--sp) "
             f"or {fix}"
         )
+    warnings = []
+    if keeps_transformers_mask(model, run) and run.attn == "sdpa":
+        square = run.micro_batch * run.seq_len**2  # booleans
+        warnings.append(
+            f"hf_longctx leaves {model.name}'s attention to transformers at --sp 1 ({model.own_attention}): a row "
+            f"of packed documents makes sdpa build a [S, S] mask, {_gib(square)} GiB at S = {run.seq_len:,} (not "
+            "counted above); pad rows instead of packing them, or use --attn flash"
+        )
     stored = resident * per_layer + layer.shared
     # The backward at its last layer: only layer 0's saved tensors (or input) are left.
     stored_last = per_layer + layer.shared
@@ -298,6 +309,8 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         notes=notes,
         host_gib=_gib(host),
         host_capacity_gib=run.host_memory_gib,
+        attention_kernel=attention_kernel(model, run, device.host_is_device),
+        warnings=warnings,
     )
 
 

@@ -27,7 +27,9 @@ class ModelShape:
     """Sizes of a decoder: what parameters, activations and logits scale with.
 
     MoE layers count every expert as a parameter and `experts_per_token` experts (plus any shared
-    expert) as activations; routing imbalance is not modelled.
+    expert) as activations; routing imbalance is not modelled. `own_attention` says why hf_longctx leaves this
+    model's attention to transformers at `sp_size=1` (vision-language and linear-attention models,
+    integrations/trainer/single.py), where transformers builds its own mask.
     """
 
     name: str
@@ -46,6 +48,7 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    own_attention: str = ""  # why hf_longctx leaves attention to transformers without SP ("": it serves it)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -64,7 +67,10 @@ class ModelShape:
         Raises:
             ValueError: a required size is missing.
         """
+        own = "a vision-language model" if "vision_config" in config else ""
         config = config.get("text_config") or config
+        if any(isinstance(t, str) and "linear" in t for t in config.get("layer_types") or ()):
+            own = own or "it has linear-attention layers"
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         missing = [k for k in required if k not in config]
         if missing:
@@ -93,6 +99,7 @@ class ModelShape:
             experts_per_token=_first(config, _TOPK_KEYS, 0) if experts else 0,
             expert_intermediate=expert_intermediate if experts else 0,
             shared_intermediate=shared,
+            own_attention=own,
         )
 
     @property

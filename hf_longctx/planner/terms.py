@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
 from hf_longctx.memory.tiling import auto_tiles, tile_tokens
+from hf_longctx.planner.kernels import flash2_backward, keeps_transformers_mask
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         kernel_saved = a * T * heads * d * 3 + (qkv - a * T * heads * d if sp > 1 else 0)
         kernel_saved += quadratic * (4 + (a if a < 4 else 0))
         saved_attn += out  # o_proj input
-        if sp == 1:
+        if keeps_transformers_mask(model, run):
             shared = run.micro_batch * seq * seq * a  # transformers' additive [seq, seq] mask, one per forward
         # Gradient of the probabilities, of the softmax input (fp32) and, in bf16, of the cast between.
         attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv
@@ -124,8 +125,8 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         kernel_saved += (copies - 1) * out
         saved_attn += out
         attn_bwd = qkv  # dq, dk, dv
-        if run.attn == "flash" and not on_cpu:
-            attn_bwd += 4 * T * heads * d  # flash-attn 2's fp32 dq accumulator
+        if flash2_backward(run, on_cpu):
+            attn_bwd += 4 * T * heads * d  # FlashAttention-2's fp32 dq accumulator (flash-attn's or torch's)
             if kv < q_local:
                 attn_bwd += 2 * a * T * heads * d  # dk, dv expanded to every query head
     if chunks > 1:

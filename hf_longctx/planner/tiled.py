@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hf_longctx.memory.tiling import auto_tiles
+from hf_longctx.planner.kernels import flash2_backward
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 from hf_longctx.planner.terms import LayerBytes, kv_heads_per_rank, norm_bytes
 
@@ -95,7 +96,7 @@ def tiled_terms(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         tile_saved += t * (a * d + 4 if liger else (4 + a) * d + 4) * (heads + model.kv_heads)
     tile_mlp = a * t * width * (3 if liger else 4) + (4 * t * model.experts if model.experts else 0)
     tile_backward = (4 + 4 * a) * t * heads * d + a * t * width * (1 if liger else 2)
-    if run.attn == "flash" and not on_cpu:
+    if flash2_backward(run, on_cpu):
         tile_backward += 4 * t * heads * d
     piece_forward, piece_backward = _piece_bytes(model, run, T, on_cpu)
     return TiledTerms(
@@ -121,10 +122,10 @@ def _piece_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -
     expanded = 2 * a * tokens * model.heads * d  # k, v (or dk, dv) of every key for each of the rank's query heads
     if on_cpu:  # contiguous k, v copies; dk, dv returned, then added to the float32 sum
         return kv, 2 * kv
-    if run.attn == "flash":  # K/V read in place; dk, dv returned, then added to the float32 sum
-        gqa = expanded if kv_heads_per_rank(model, sp) < model.heads // sp else 0.0  # flash-attn 2 expands GQA
+    if flash2_backward(run, on_cpu):  # K/V read in place; dk, dv returned, then added to the float32 sum
+        gqa = expanded if kv_heads_per_rank(model, sp) < model.heads // sp else 0.0  # FlashAttention-2 expands GQA
         return 0.0, kv + gqa
-    return expanded, 2 * expanded + kv  # torch's efficient kernel: expanded k, v and gradients, then group sums
+    return expanded, 2 * expanded + kv  # torch's efficient kernel (fp32): expanded k, v and gradients, group sums
 
 
 def tiled_layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> LayerBytes:

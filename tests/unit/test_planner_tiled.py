@@ -44,8 +44,12 @@ def test_whole_sequence_terms_are_kv_sized_and_tile_terms_scale_with_the_tile():
         assert getattr(half, name) == pytest.approx(getattr(terms, name) / 2, rel=1e-9), name
     cpu = tiled_terms(LLAMA, run, tokens, on_cpu=True)
     assert cpu.kernel_call == 2 * kv and cpu.kernel_forward == kv  # torch's CPU kernel copies k, v, returns dk, dv
-    sdpa = tiled_terms(LLAMA, _with(run, attn="sdpa"), tokens, on_cpu=False)  # torch's efficient kernel on GPU
-    assert sdpa.kernel_call == 2 * gqa + kv and sdpa.kernel_forward == gqa
+    # Without flash-attn (--attn sdpa) a bf16 GPU runs torch's own FlashAttention-2: the same terms as flash-attn's.
+    sdpa = tiled_terms(LLAMA, _with(run, attn="sdpa"), tokens, on_cpu=False)
+    assert (sdpa.kernel_call, sdpa.kernel_forward, sdpa.tile_backward) == (terms.kernel_call, 0, terms.tile_backward)
+    fp32 = _with(run, attn="sdpa", dtype="fp32")  # torch's efficient kernel: expanded k, v and their gradients
+    efficient = tiled_terms(LLAMA, fp32, tokens, on_cpu=False)
+    assert efficient.kernel_call == 2 * 2 * gqa + 2 * kv and efficient.kernel_forward == 2 * gqa
     # Under SP=8 a rank keeps one kv head of every key: the float32 sum and one call's dk, dv are that size.
     terms8 = tiled_terms(LLAMA, _with(run, world=8, sp=8, seq_len=8 * tokens), tokens, on_cpu=False)
     assert terms8.kv_grads == 2 * 4 * 8 * tokens * LLAMA.head_dim and terms8.kernel_call == terms8.kv + gqa
