@@ -3,8 +3,10 @@
     accelerate launch --config_file configs/cpu_sp2.yaml recipes/sft.py --config recipes/tiny_llama_4k_sp2.yaml
     torchrun --nproc_per_node 2 recipes/sft.py --config recipes/tiny_llama_4k_sp2.yaml
 
-With `model_name_or_path` unset it trains the offline default (tiny random Llama, GPT-2 tokenizer,
-vendored Shakespeare cut into `max_length`-token windows). `compare_to` names a finished run
+With `model_name_or_path` unset (or "tiny") it trains the offline default (tiny random Llama, GPT-2 tokenizer,
+vendored Shakespeare cut into `max_length`-token windows). `long_documents` trains on the vendored texts whole
+instead (one document per play or poem, tokenized with the model's tokenizer), which `packing: true` packs into
+rows of up to `max_length` tokens: the million-token recipes. `compare_to` names a finished run
 (e.g. the same recipe with `sp_size: 1`) whose loss curve is compared and plotted at the end.
 """
 
@@ -20,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, TrlParser
 
 import hf_longctx
-from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama, window_dataset
+from hf_longctx.data.defaults import document_dataset, gpt2_tokenizer, tiny_llama, window_dataset
 from hf_longctx.instrument.curves import compare_runs, plot_loss_curves
 from hf_longctx.integrations.trainer import sp_state
 from hf_longctx.integrations.trainer.callbacks import ThroughputCallback
@@ -52,6 +54,14 @@ class LongContextArguments:
     offload_activations: bool = field(
         default=False, metadata={"help": "Checkpoint every layer, saved inputs in host memory."}
     )
+    tiled_layer: str = field(
+        default="false", metadata={"help": "Tile whole decoder layers over the sequence: true, false or a tile count."}
+    )
+    long_documents: bool = field(
+        default=False,
+        metadata={"help": "Whole vendored texts as documents, packed into rows of max_length (packing: true)."},
+    )
+    document_repeats: int = field(default=1, metadata={"help": "long_documents: list the corpus this many times."})
 
 
 def _tiles(value: bool | int | str) -> bool | int:
@@ -84,6 +94,7 @@ def main() -> None:
         "tiled_loss": lc.tiled_loss,
         "tiled_mlp": _tiles(lc.tiled_mlp),
         "offload_activations": lc.offload_activations,
+        "tiled_layer": _tiles(lc.tiled_layer),
     }
     if lc.sp_size > 1 or any(flags.values()):
         args.parallelism_config = hf_longctx.ParallelismConfig(
@@ -92,7 +103,8 @@ def main() -> None:
             **(_ring_options(lc) if lc.sp_backend in ("ring", "hybrid", "auto") else {}),
             **flags,
         )
-    if lc.model_name_or_path is None:
+    if lc.model_name_or_path in (None, "tiny"):
+        lc.model_name_or_path = None
         tokenizer = gpt2_tokenizer()
         model = tiny_llama(
             tokenizer,
@@ -102,7 +114,9 @@ def main() -> None:
             hidden_size=16 * lc.tiny_heads,  # heads of 16 dims (the default: 8 heads, hidden 128)
             attn_implementation=lc.attn_implementation,
         )
-        train = window_dataset(tokenizer, args.max_length, max_windows=lc.max_windows)
+        train = _documents(tokenizer, args, lc) or window_dataset(
+            tokenizer, args.max_length, max_windows=lc.max_windows
+        )
         evals = (
             window_dataset(tokenizer, args.max_length, split="eval", max_windows=lc.eval_windows)
             if lc.eval_windows
@@ -117,7 +131,8 @@ def main() -> None:
             attn_implementation=lc.attn_implementation,
             dtype=weights_dtype(lc.model_dtype),
         )
-        train, evals = load_dataset(lc.dataset_name, split="train"), None
+        train = _documents(tokenizer, args, lc) or load_dataset(lc.dataset_name, split="train")
+        evals = None
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -148,6 +163,15 @@ def main() -> None:
             os.path.join(args.output_dir, "loss_curves.png"),
         )
         print(f"loss curve vs {lc.compare_to}: max relative difference {worst:.2e} over {steps} steps (plot: {png})")
+
+
+def _documents(tokenizer, args: SFTConfig, lc: LongContextArguments):
+    """`long_documents`: the vendored texts whole, for TRL to pack into rows of `max_length` (None otherwise)."""
+    if not lc.long_documents:
+        return None
+    if not args.packing:
+        raise ValueError("long_documents needs packing: true (rows of whole documents up to max_length tokens).")
+    return document_dataset(tokenizer, args.max_length, repeats=lc.document_repeats)
 
 
 def _ring_options(lc: LongContextArguments) -> dict:
