@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from tests._cuda_standins import raw_read
+
 IMPLEMENTATION = "flash_attention_2"
 CALLS = {"varlen": 0, "dense": 0}
 
@@ -229,6 +231,10 @@ def _flash_attn_backward(
         k_ptr=k.data_ptr(),
     )  # fmt: skip
     assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == q.shape[:1] + (q.shape[2], q.shape[1])
+    # flash-attn reads softmax_lse by data pointer as a contiguous [B, H, S] (flash_api.cpp checks nothing more).
+    softmax_lse = raw_read(
+        softmax_lse, tuple(softmax_lse.shape), tuple(softmax_lse.new_empty(softmax_lse.shape).stride())
+    )
     for b in range(q.shape[0]):
         grads = _grads_block(dout[b], q[b], k[b], v[b], out[b], softmax_lse[b], softmax_scale, causal)
         for dst, src in zip((dq, dk, dv), grads, strict=True):
@@ -270,6 +276,7 @@ def _flash_attn_varlen_backward(
 ) -> Tensor:  # fmt: skip
     _record("varlen_backward", causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p)
     assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == (q.shape[1], q.shape[0])
+    softmax_lse = raw_read(softmax_lse, (q.shape[1], q.shape[0]), (q.shape[0], 1))  # by pointer, contiguous [H, T]
     dq.zero_(), dk.zero_(), dv.zero_()
     for a, b, c, d in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0]):
         grads = _grads_block(dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b], softmax_lse[:, a:b], softmax_scale, causal)
