@@ -37,9 +37,9 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from hf_longctx import _compat
+from hf_longctx._patching import Patch
 from hf_longctx.distributed import comm
 from hf_longctx.distributed.failures import CollectiveError
-from hf_longctx.integrations.patching import Patch
 
 UNIVERSAL_LATEST = "latest_universal"  # the tag file ds_to_universal writes and DeepSpeed's universal load reads
 
