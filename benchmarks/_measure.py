@@ -6,6 +6,7 @@ writing one record per optimizer step, and one optional profiled step split by `
 
 from __future__ import annotations
 
+import gc
 import inspect
 import re
 import resource
@@ -219,8 +220,38 @@ def probe_sample() -> dict[str, float]:
     return {"rss_mib": rss, "threads": threads, "groups": groups}
 
 
-def recorder(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool, profile_step: int | None) -> Any:
-    """The `TrainerCallback` that fills `.steps` (and `.op_profile` for the step numbered `profile_step`)."""
+def object_census(records: Iterable[Any] = ()) -> dict[str, int]:
+    """Live Python objects, tensors and the bytes of their distinct storages, after a full collection.
+
+    Counts, unlike resident memory, do not move with the allocator or other processes: after `gc.collect()`
+    the same program state gives the same numbers, so one more tensor per step is a leak on any machine.
+    Objects reachable from `records` (the run's own per-step records and log: they grow by design) are
+    left out of `objects`.
+    """
+    import torch
+
+    gc.collect()
+    own: set[int] = set()
+    stack = list(records)
+    while stack:
+        item = stack.pop()
+        if gc.is_tracked(item) and id(item) not in own:
+            own.add(id(item))
+            stack.extend(gc.get_referents(item))
+    objects = [o for o in gc.get_objects() if id(o) not in own]
+    tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return {"objects": len(objects), "tensors": len(tensors), "tensor_bytes": sum(storages.values())}
+
+
+def recorder(
+    counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool, profile_step: int | None, census: bool = False
+) -> Any:
+    """The `TrainerCallback` that fills `.steps` (and `.op_profile` for the step numbered `profile_step`).
+
+    `census` adds `object_census()` to every record, taken after the step's clock stopped (a full collection
+    and a walk over every object: tens of milliseconds that do not belong to the step).
+    """
     import torch
     from transformers import TrainerCallback
 
@@ -272,6 +303,8 @@ def recorder(counter: CommCounter, memory: StepMemory, hf_stats: Any, cuda: bool
                  "hf_a2a_calls": hf_a2a[0], "hf_a2a_bytes": hf_a2a[1], "hf_a2a_s": hf_a2a[2], "other_comm": comm,
                  "hf_ops": ours, **probe_sample()}
             )  # fmt: skip
+            if census:  # the records list and the Trainer's log grow by design: not counted
+                self.steps[-1].update(object_census([self.steps, state.log_history]))
             self._last_end = t1
 
     return StepRecorder()
