@@ -3,7 +3,7 @@
     python -m benchmarks.drift                  # 300 optimizer steps at SP=2 on 2 CPU processes (~2-4 min here)
     python -m benchmarks.drift --steps 60 --warmup 20 --out /tmp/drift   # a quick look: /tmp/drift.{json,md,png}
     python -m benchmarks.drift --from-json benchmarks/results/<date>-drift.json   # re-render table and plot
-    python -m benchmarks.drift --steps 60 --warmup 20 --windows 12 --judge counts   # tests/dist/test_drift.py
+    python -m benchmarks.drift --steps 40 --warmup 8 --windows 8 --judge counts   # tests/dist/test_drift.py
 
 `summarize` holds the verdicts; the run and the verdicts are described in benchmarks/README.md ("Drift").
 """

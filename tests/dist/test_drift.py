@@ -1,12 +1,12 @@
 """A short run of `benchmarks/drift.py`, as a command (300 steps and results in benchmarks/results/*-drift.md).
 
-60 optimizer steps of the default tiny Llama at SP=2 through the stock Trainer on 12 windows of 32 tokens
+40 optimizer steps of the default tiny Llama at SP=2 through the stock Trainer on 8 windows of 32 tokens
 (five epochs: every epoch starts a fresh sampler pass and loader iterator). Judged by counts noise cannot move:
-after a 20-step warm-up the highest number of live tensors, their storage bytes and live Python objects (after
-a full collection) in the last 20 steps is no higher than in the first 20 (each window spans a whole epoch),
-the number of threads does not change and the number of process groups never does. Resident memory and step
-time over 60 steps on a shared machine are noise (a floor once rose 3.6% while the RSS slope was -16 MiB per
-100 steps): the benchmark's long run judges RSS, and this run only reports it.
+after an 8-step warm-up (the counts settle after the first step) the highest number of live tensors, their
+storage bytes and live Python objects (after a full collection) in the last 16 steps is no higher than in the
+first 16 (each window spans two epochs), the number of threads does not change and the number of process groups
+never does. Resident memory and step time over a short run on a shared machine are noise (a floor once rose 3.6%
+while the RSS slope was -16 MiB per 100 steps): the benchmark's long run judges RSS, and this run only reports it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-STEPS, WARMUP, WINDOWS = 60, 20, 12
+STEPS, WARMUP, WINDOWS = 40, 8, 8
 ROOT = Path(__file__).resolve().parents[2]
 
 
