@@ -87,7 +87,7 @@ COLUMNS: list[_results.Column] = [
     ("last window", lambda r: f"{r['rss_last_mib']:.1f}"),
     ("growth: median / floor / peak", lambda r: " / ".join(f"{100 * r[k]:+.2f}%" for k in _GROWTH)),
     ("RSS slope (MiB / 100 steps)", lambda r: f"{r['rss_slope_mib_per_100']:+.2f}"),
-    ("tensors / tensor MiB / objects, highest: first window -> last", lambda r: _census_cell(r["census"])),
+    ("tensors / tensor KiB / objects, highest: first window -> last", lambda r: _census_cell(r["census"])),
     ("threads", lambda r: str(r["threads"])), ("process groups", lambda r: str(r["groups"])),
     ("median step, 1st half (s)", lambda r: f"{r['step_s_first_half']:.4f}"),
     ("2nd half (s)", lambda r: f"{r['step_s_second_half']:.4f}"), ("ratio", lambda r: f"{r['step_time_ratio']:.3f}"),
@@ -98,7 +98,7 @@ def _census_cell(census: dict[str, list[int]] | None) -> str:
     if census is None:
         return "not sampled"
     (t0, t1), (b0, b1), (o0, o1) = (census[k] for k in CENSUS)
-    return f"{t0} -> {t1} / {b0 / 2**20:.2f} -> {b1 / 2**20:.2f} / {o0} -> {o1}"
+    return f"{t0} -> {t1} / {b0 / 1024:.1f} -> {b1 / 1024:.1f} / {o0} -> {o1}"
 
 
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
