@@ -17,7 +17,8 @@
 - `model`: `{"arch", "vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim"}` (+ `extra`
   config fields), random init; `dtype` "fp32" or "bf16", `attn`, `device` "cpu" or "cuda", `threads`;
 - `steps` (optimizer steps, `warmup` of them unmeasured by the readers), `lr`, `optim`, `gradient_checkpointing`,
-  `log` (log the loss every step: a collective per step, off by default), `op_profile` (one extra profiled step).
+  `log` (log the loss every step: a collective per step, off by default), `op_profile` (one extra profiled step),
+  `census` (live objects, tensors and tensor bytes in every step's record: `_measure.object_census`).
 
 Measurements (`benchmarks._measure`): per step records, the process peak and `run_peak_bytes`, the resident
 growth from just before the model is built to the end of `trainer.train()` (model, gradients, optimizer state,
@@ -279,7 +280,7 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from hf_longctx.instrument import record_collectives
 
     with record_collectives() if spec["impl"] == "hf_longctx" else contextlib.nullcontext() as hf_stats:
-        steps_cb = recorder(counter, memory, hf_stats, cuda, profile_step)
+        steps_cb = recorder(counter, memory, hf_stats, cuda, profile_step, census=bool(spec.get("census")))
         trainer = _trainer(spec, model, data, common, [steps_cb])
         phase("trainer built")
         t0 = time.perf_counter()

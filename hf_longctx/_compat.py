@@ -213,3 +213,21 @@ def trainer_deepspeed_config(trainer: Any) -> dict[str, Any] | None:
         return None
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     return getattr(getattr(plugin, "hf_ds_config", None), "config", None)
+
+
+# What DeepSpeed's universal checkpoint carries of the optimizer (0.19.8: `ds_to_universal`'s
+# `extract_zero_shards_stage3` and ZeRO-3's `load_hp_checkpoint_state_from_checkpoint_dir_stage3` read these keys of
+# every parameter partition's state, and `step`): Adam's moments only. Another optimizer's checkpoint fails there
+# with a KeyError (SGD: no state at all, or `momentum_buffer`).
+UNIVERSAL_OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
+
+
+def zero_optimizer_state_keys(optim_file: str) -> list[set[str]]:
+    """The per-parameter-partition state keys in one rank's ZeRO optimizer file (`*_optim_states.pt`).
+
+    Memory-mapped: only the small state index is read, not the partitions (GBs per rank on a large model).
+    """
+    saved = torch.load(optim_file, map_location="cpu", weights_only=False, mmap=True)
+    state = saved["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+    groups = len(saved["optimizer_state_dict"]["fp32_flat_groups"])
+    return [set(state.get(i, {})) for i in range(groups)]

@@ -1,9 +1,14 @@
-"""The one helper for multi-process tests: `run_distributed` spawns `world_size` gloo ranks on CPU.
+"""The one helper for multi-process tests: `run_distributed` starts `world_size` gloo ranks on CPU.
 
 Each rank runs `fn(rank, world_size, *args, **kwargs)` with `torch.distributed` initialised (gloo,
 `file://` store in a fresh temp dir, loopback only, one thread). Return values come back ordered by
 rank; a worker exception is re-raised in the parent as `RuntimeError` with the rank and traceback;
 a hang is killed after `timeout` seconds and reported as `TimeoutError` naming the ranks still running.
+
+Ranks are forked from a multiprocessing forkserver (`forkserver_context`, shared with `tests/_faults.py`)
+that imported torch, transformers and the Trainer once per session: a spawned rank paid those imports,
+several CPU seconds per process on the 2-core CI machine, at every launch of the suite. A forked rank
+starts from that clean, freshly imported state, as a spawned one did.
 """
 
 from __future__ import annotations
@@ -33,6 +38,20 @@ CHILD_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 
+# What the forkserver imports once per session (before any test changes state): every rank forks from it.
+PRELOAD = [
+    "torch",
+    "transformers",
+    "transformers.trainer",
+    "accelerate",
+    "datasets",
+    "hf_longctx",
+    "hf_longctx.integrations.trainer",
+    "tests._models",
+    "tests.dist._trainer_utils",
+]
+_CONTEXT: list[Any] = []
+
 _OK = "ok"
 _ERROR = "error"
 _POLL_S = 0.5
@@ -49,7 +68,7 @@ def run_distributed(
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` spawned gloo ranks.
 
     Args:
-        fn: a module-level (picklable) function; spawned children import it by qualified name,
+        fn: a module-level (picklable) function; the ranks import it by qualified name,
             e.g. `tests.dist.test_x.my_worker`.
         world_size: number of ranks (processes) to spawn.
         *args, **kwargs: passed to `fn` after `rank, world_size`; must be picklable. `timeout` is
@@ -76,7 +95,7 @@ def run_distributed(
             f"level in an importable module (e.g. tests/dist/test_x.py): {exc}"
         ) from exc
 
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()
     store_dir = tempfile.mkdtemp(prefix="hf_longctx_dist_")
     init_method = f"file://{os.path.join(store_dir, 'store')}"
     # Workers that finished keep their process group alive until this event: a rank that exits early
@@ -111,6 +130,19 @@ def run_distributed(
         for reader in readers:
             reader.close()
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def forkserver_context() -> Any:
+    """The session's multiprocessing context: a forkserver with `PRELOAD` imported.
+
+    The server starts with the first process started under `_child_environment` (every caller starts its
+    ranks there), so it, and every rank forked from it, has `CHILD_ENV` and the repo on `PYTHONPATH`.
+    """
+    if not _CONTEXT:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
 
 
 def _collect(procs: list[Any], readers: list[Connection], timeout: float, name: str) -> list[Any]:
@@ -177,7 +209,7 @@ def _worker(
     kwargs: dict[str, Any],
     timeout: float,
 ) -> None:
-    """Spawned entry point: init gloo, run `fn`, send the pickled outcome, wait for release."""
+    """Forked entry point: init gloo, run `fn`, send the pickled outcome, wait for release."""
     parent_pid = os.getppid()
     try:
         os.environ.update(CHILD_ENV)

@@ -7,9 +7,8 @@ comes back so a test can assert how fast and how they ended. Ranks listed in `fa
 rank never ends) are killed once every other rank has ended; anything still running at `timeout`
 is killed and reported as hung.
 
-Ranks are forked from a multiprocessing forkserver that imports torch, transformers and the Trainer
-once per session: importing them costs several CPU seconds per process on the 2-core CI machine,
-and a fault test needs several launches.
+Ranks are forked from the session's forkserver (`tests._dist.forkserver_context`), which imported torch,
+transformers and the Trainer once.
 """
 
 from __future__ import annotations
@@ -29,23 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests._dist import CHILD_ENV, _child_environment
+from tests._dist import CHILD_ENV, _child_environment, forkserver_context
 
-PRELOAD = [
-    "torch",
-    "transformers",
-    "transformers.trainer",
-    "accelerate",
-    "datasets",
-    "hf_longctx",
-    "hf_longctx.integrations.trainer",
-    "tests._models",
-    "tests.dist._trainer_utils",
-]
 _POLL_S = 0.05
-_context: Any = None
 
 
 @dataclass
@@ -63,15 +49,6 @@ class RankOutcome:
     @property
     def ok(self) -> bool:
         return self.exitcode == 0 and self.error is None
-
-
-def _forkserver() -> Any:
-    global _context
-    if _context is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _context = ctx
-    return _context
 
 
 def launch(
@@ -95,7 +72,7 @@ def launch(
     Returns:
         One `RankOutcome` per rank, in rank order.
     """
-    ctx = _forkserver()
+    ctx = forkserver_context()
     store_dir = tempfile.mkdtemp(prefix="hf_longctx_faults_")
     init_method = f"file://{os.path.join(store_dir, 'store')}"
     procs: list[Any] = []

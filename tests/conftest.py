@@ -1,4 +1,4 @@
-"""Shared pytest setup: offline Hugging Face environment, `gpu` and `slow` marker handling."""
+"""Shared pytest setup: offline Hugging Face environment, one torch thread, `gpu` and `slow` marker handling."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import pytest
 # Tests never reach the hub: tiny models and data are built in-process or shipped with the package.
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ[_var] = "1"
+# One intra-op thread in this process and every process it starts, set before anything imports torch: on a
+# 2-core machine shared with other jobs, OpenMP threads spin against them (a unit test took 22 s at load 9 that
+# takes 0.1 s alone). The gloo ranks already run one thread each (tests/_dist.py).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from hf_longctx.data.consistency import ORIGINAL_LABELS_KEY, SIGNATURE_KEY, batch_signature
-from hf_longctx.data.layout import LAYOUT_KEY, LayoutSlot
+from hf_longctx.data.layout import LAYOUT_KEY
 from hf_longctx.data.sharding import shard_batch_for_rank
+from hf_longctx.distributed.layout_slot import LayoutSlot
 
 
 class SequenceShardingCollator:

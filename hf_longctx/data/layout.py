@@ -3,29 +3,23 @@
 Two layouts exist. `"contiguous"` (Ulysses): rank p holds positions `[p * S/P, (p + 1) * S/P)`.
 `"zigzag"` (ring and hybrid): the sequence is cut into 2P equal chunks and rank p holds chunks p and
 2P-1-p, so every rank does the same causal attention work at every ring step (a rank with early
-tokens also holds late ones). `layout_indices` is the main function; `LayoutSlot` is the one piece of
-mutable state: the layout the backend enabled on a `SequenceParallelGroups` expects, which
-`shard_batch` and the Trainer collator read so that the data side always agrees with the attention.
+tokens also holds late ones). `layout_indices` is the main function. Which layout is in force on a
+`SequenceParallelGroups` is its `LayoutSlot` (`distributed/layout_slot.py`), which `shard_batch` and the
+Trainer collator read so that the data side always agrees with the attention.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag")
+from hf_longctx.distributed.layout_slot import LAYOUTS, check_layout
+
 # Every shard `shard_batch` and the Trainer collator build names its layout under this key; the model
 # pre-hook pops it and refuses a mismatch either way (plausible loss, wrong gradients). A batch without
 # the key (a custom loop's slices) is what slicing gives: contiguous.
 LAYOUT_KEY = "hf_longctx_token_layout"
-
-
-def check_layout(kind: str) -> None:
-    """Raise a `ValueError` naming the valid layouts."""
-    if kind not in LAYOUTS:
-        raise ValueError(f"Unknown token layout {kind!r}; choose one of {list(LAYOUTS)}.")
 
 
 _CODES = (None, *LAYOUTS)
@@ -143,39 +137,3 @@ def ulysses_sort_order(
     ]
     order = torch.argsort(torch.cat(members))
     return None if bool(torch.equal(order, torch.arange(order.numel()))) else order
-
-
-@dataclass
-class LayoutSlot:
-    """The token layout the SP backends enabled on one `SequenceParallelGroups` expect.
-
-    `enable_sequence_parallel` claims it (every model enabled on the same groups must agree) and
-    releases it on `handle.remove()`; `shard_batch` and `SequenceShardingCollator` read `kind` at
-    each call, so a collator built before the model was prepared still shards the right way.
-    Picklable: DataLoader worker processes get a copy when they start.
-    """
-
-    kind: str = "contiguous"
-    users: int = 0
-
-    def claim(self, kind: str) -> None:
-        """Set the layout for one more model; a different layout while others hold it is an error.
-
-        Raises:
-            ValueError: another model on the same groups uses a different layout.
-        """
-        check_layout(kind)
-        if self.users and kind != self.kind:
-            raise ValueError(
-                f"Another model on these SequenceParallelGroups expects the {self.kind!r} token layout but this "
-                f"backend needs {kind!r}; shard_batch(batch, groups) can serve only one. Use the same sp_backend "
-                "for both models or build separate groups with SequenceParallelGroups.build()."
-            )
-        self.kind = kind
-        self.users += 1
-
-    def release(self) -> None:
-        """Undo one `claim`; back to contiguous when no model holds the slot."""
-        self.users = max(0, self.users - 1)
-        if self.users == 0:
-            self.kind = "contiguous"

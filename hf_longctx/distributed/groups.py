@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from hf_longctx import _compat
-from hf_longctx.data.layout import LayoutSlot
 from hf_longctx.distributed.failures import resolve_timeout
+from hf_longctx.distributed.layout_slot import LayoutSlot
 
 
 def validate_sp_size(sp_size: int, world_size: int | None = None) -> None:
@@ -55,7 +55,7 @@ class SequenceParallelGroups:
     dp_world_size: int
     # Ranks per node (torchrun's LOCAL_WORLD_SIZE), None if unknown: hybrid/auto keep Ulysses inside a node.
     ranks_per_node: int | None = None
-    # The token layout the enabled backend expects (see data/layout.py); read by shard_batch and the collator.
+    # The token layout the enabled backend expects (layout_slot.py); read by shard_batch and the collator.
     layout_slot: LayoutSlot = field(default_factory=LayoutSlot, compare=False, repr=False)
     # 2-D (Ulysses x ring) groups, created collectively on first use and kept: {ulysses_degree: HybridGroups}.
     _hybrid: dict[int, HybridGroups] = field(default_factory=dict, compare=False, repr=False)

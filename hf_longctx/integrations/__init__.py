@@ -1,4 +1,4 @@
 """How hf_longctx hooks into other libraries: `trainer/` (transformers Trainer, TRL, accelerate).
 
-`patching.py` is the only monkeypatching mechanism: reversible, idempotent attribute patches.
+They patch through `hf_longctx/_patching.py`, the only monkeypatching mechanism (reversible, idempotent).
 """

@@ -91,8 +91,13 @@ def train_job(
     resume: bool = False,
     zero3: str | None = None,
     ddp_timeout: int | None = None,
+    optim: str = "adamw_torch",
+    optim_args: str | None = None,
 ) -> dict[str, Any]:
-    """Train (or, with `resume`, continue from the last checkpoint in `out_dir`); return logs and rows."""
+    """Train (or, with `resume`, continue from the last checkpoint in `out_dir`); return logs and rows.
+
+    `optim` / `optim_args` are TrainingArguments' (e.g. "sgd" with "momentum=0.9").
+    """
     from transformers import Trainer, TrainingArguments
 
     from tests._models import tiny_model
@@ -111,8 +116,9 @@ def train_job(
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=ga,
         max_steps=steps,
-        optim="adamw_torch",
-        learning_rate=U.LR["adamw_torch"],
+        optim=optim,
+        optim_args=optim_args,
+        learning_rate=U.LR[optim],
         lr_scheduler_type="linear",
         logging_steps=1,
         save_strategy="steps",

@@ -26,8 +26,10 @@ from tests.dist import _fault_jobs as J
 
 WORLDS = {2: "sp2", 4: "dp2_sp2"}
 KILLED_RANK, KILL_STEP = 1, 3
-# Survivors must be gone this long after the kill. Measured on the loaded 2-core machine: 0.05-0.4 s.
-EXIT_BOUND_S = 10.0
+# gloo's error when a peer stops responding for the group timeout. A survivor of a kill must end on the peer's
+# closed connection instead, at once (0.05-0.4 s on the loaded 2-core machine, recorded, not asserted: a clock
+# bound fails on a loaded machine; which error ended the rank does not depend on the load).
+GLOO_TIMEOUT = "Timed out waiting"
 FREEZE_TIMEOUT_S = 3
 LAUNCH_TIMEOUT_S = 240
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +73,8 @@ def test_killed_rank_ends_every_survivor_fast_with_a_peer_failure(world, phase, 
         assert not outcome.hung, f"rank {outcome.rank} still running {LAUNCH_TIMEOUT_S} s after the kill"
         assert outcome.exitcode == 1 and outcome.error, (outcome.rank, outcome.exitcode)
         assert PEER_FAILURE.search(outcome.error), outcome.error[-2000:]
+        assert GLOO_TIMEOUT not in outcome.error, outcome.error[-2000:]  # did not wait out the group timeout
         delays[outcome.rank] = outcome.exit_time - killed_at
-        assert delays[outcome.rank] < EXIT_BOUND_S, (outcome.rank, delays)
     # The killed rank's SP peer (rank 0) was inside a collective with it and names that collective.
     sp_peer = outcomes[0].error
     assert _collective_named(sp_peer), sp_peer[-3000:]
@@ -141,8 +143,9 @@ def test_frozen_rank_ends_its_peer_after_the_timeout(out_root, tmp_path_factory,
     # ddp_timeout (gloo, use_cpu=True) reached hf_longctx's SP group: the all-to-all raised after it, naming itself.
     assert "all_to_all over global ranks [0, 1] failed on rank 0" in peer.error
     assert f"group timeout {FREEZE_TIMEOUT_S} s" in peer.error
+    assert GLOO_TIMEOUT in peer.error, peer.error[-2000:]  # the group timeout ended it, not a closed connection
     waited = peer.error_time - frozen_at
-    assert FREEZE_TIMEOUT_S - 0.5 <= waited < FREEZE_TIMEOUT_S + EXIT_BOUND_S, waited
+    assert FREEZE_TIMEOUT_S - 0.5 <= waited, waited  # load only lengthens the wait
     _assert_last_checkpoint_intact(out, 2, tmp_path_factory)
     record_property("seconds_to_error", waited)
     named = re.search(r"(\w+) over global ranks \[[\d, ]+\] failed on rank \d+", peer.error).group(0)
@@ -171,7 +174,7 @@ def test_torchrun_stops_the_job_and_names_the_dead_rank(tmp_path, tmp_path_facto
     # torchrun's summary names the first failure: the killed rank and its signal.
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", log), log[-3000:]
     assert "Signal 9 (SIGKILL)" in log, log[-3000:]
-    assert ended - killed_at < EXIT_BOUND_S + 5, ended - killed_at  # + interpreter exit of the launcher
+    assert GLOO_TIMEOUT not in log, log[-3000:]  # torchrun stopped the survivor; it did not wait out a timeout
     for rank in (0, 1):
         pid = int((out / f"pid-rank{rank}").read_text())
         with pytest.raises(ProcessLookupError):

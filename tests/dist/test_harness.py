@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,20 +57,23 @@ def test_worker_exception_is_reraised_with_rank_and_traceback():
     assert "_raise_on_rank_1" in message
 
 
-def _rank_1_blocks_in_collective(rank: int, world_size: int) -> int:
+def _rank_1_blocks_in_collective(rank: int, world_size: int, pid_dir: str) -> int:
+    Path(pid_dir, f"rank{rank}").write_text(str(os.getpid()))
     if rank == 1:
         # Rank 0 never joins this all_reduce: a classic rank desync.
         dist.all_reduce(torch.ones(1))
     return rank
 
 
-def test_hang_is_killed_and_reported_as_timeout():
+def test_hang_is_killed_and_reported_as_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(TimeoutError) as excinfo:
-        run_distributed(_rank_1_blocks_in_collective, 2, timeout=10)
-    elapsed = time.monotonic() - start
+        run_distributed(_rank_1_blocks_in_collective, 2, str(tmp_path), timeout=10)
 
-    assert elapsed < 20
+    assert time.monotonic() - start >= 10  # it waited for the deadline (a clock cannot run short)
+    for rank in (0, 1):  # and every worker is gone when it raises, the blocked one too
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / f"rank{rank}").read_text()), 0)
     message = str(excinfo.value)
     assert "ranks still running: [1]" in message
     assert "finished: [0]" in message

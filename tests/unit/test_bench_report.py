@@ -220,3 +220,34 @@ def test_gpu_check_dry_run_verdict_from_saved_rows(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--cpu-dry-run", "--from-json", str(saved)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "gpu_check: FAIL" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_object_census_counts_a_held_tensor_and_leaves_out_the_records():
+    import torch
+
+    records: list[dict] = []
+    before = _measure.object_census([records])
+    held = [torch.zeros(1000)]
+    records.append({"kept": [[i] for i in range(5000)]})  # the run's own records: not counted
+    after = _measure.object_census([records])
+    assert after["tensors"] == before["tensors"] + 1
+    assert after["tensor_bytes"] == before["tensor_bytes"] + held[0].untyped_storage().nbytes()
+    # The 5,001 containers under `records` are what separates a census that leaves them out from one that counts them.
+    assert _measure.object_census()["objects"] - _measure.object_census([records])["objects"] >= 5001
+    del held
+    assert _measure.object_census([records])["tensors"] == before["tensors"]
+
+
+def test_census_growth_compares_whole_epochs_and_sees_one_leaked_object():
+    from benchmarks.drift import census_growth
+
+    def samples(counts: list[int]) -> list[dict]:
+        return [{"tensors": c, "tensor_bytes": 8 * c, "objects": 10 * c} for c in counts]
+
+    periodic = [5, 5, 7] * 8  # a boundary every third step: the highest count repeats with the epoch
+    assert census_growth(samples(periodic), epoch=3) == {"tensors": [7, 7], "tensor_bytes": [56, 56],
+                                                          "objects": [70, 70]}  # fmt: skip
+    leaked = periodic[:-5] + [c + 1 for c in periodic[-5:]]
+    assert census_growth(samples(leaked), epoch=3)["tensors"] == [7, 8]
+    assert census_growth(samples(periodic[:5]), epoch=3) is None  # fewer than two epochs
+    assert census_growth([{"rss_mib": 1.0}] * 10, epoch=3) is None  # a run without a census

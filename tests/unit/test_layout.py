@@ -7,7 +7,6 @@ import torch
 
 from hf_longctx import IGNORE_INDEX
 from hf_longctx.data.layout import (
-    LayoutSlot,
     gathered_order,
     layout_indices,
     pad_multiple,
@@ -16,6 +15,7 @@ from hf_longctx.data.layout import (
     ulysses_sort_order,
 )
 from hf_longctx.data.sharding import shard_batch_for_rank
+from hf_longctx.distributed.layout_slot import LayoutSlot
 
 X = IGNORE_INDEX
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers import Trainer
 
+from hf_longctx._patching import PATCH_MARKER, Patch
 from hf_longctx.integrations import trainer as sp_trainer
-from hf_longctx.integrations.patching import PATCH_MARKER, Patch
 
 # Every attribute hf_longctx may replace outside its own objects. A new target must be added here on purpose.
 ALLOWED = {"get_sp_size", "get_total_train_batch_size", "_validate_args", "prediction_step"}

@@ -344,7 +344,8 @@ def test_shards_concatenate_to_padded_global_batch(data, world):
 
 def test_collated_shards_name_their_layout_and_a_mismatch_is_refused_either_way():
     from hf_longctx.data.collator import SequenceShardingCollator
-    from hf_longctx.data.layout import LAYOUT_KEY, LayoutSlot, check_shard_layouts, layout_code
+    from hf_longctx.data.layout import LAYOUT_KEY, check_shard_layouts, layout_code
+    from hf_longctx.distributed.layout_slot import LayoutSlot
 
     batch = {"input_ids": t([[1, 2, 3, 4]])}
     for kind in ("contiguous", "zigzag"):

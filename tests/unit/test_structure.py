@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle among hf_longctx modules, no module over 400 lines, no loose
-top-level modules beyond the public entry points, and `import hf_longctx` pulls no torch.
+"""The package's shape: no import cycle among hf_longctx modules, every import points down the layers
+(`LAYERS`), no module over 400 lines, no loose top-level modules beyond the public entry points, and
+`import hf_longctx` pulls no torch.
 
 Imports are read from the source (ast), all of them: module level, inside functions and under
 `TYPE_CHECKING`; importing `a.b.c` also imports its parent packages `a.b` and `a`, so those count too.
@@ -16,7 +17,25 @@ import hf_longctx
 
 PACKAGE = Path(hf_longctx.__file__).parent
 MAX_LINES = 400
-TOP_LEVEL = {"__init__", "_compat", "_lazy", "config", "loss", "trainer"}  # public entry points + internals
+# Public entry points and internals.
+TOP_LEVEL = {"__init__", "_compat", "_lazy", "_patching", "config", "loss", "trainer"}
+
+# The layers, lowest first. A module may import its own layer and the layers below it, never one above:
+# a lower layer that needs something from a higher one means the shared piece belongs lower down.
+# Every module must fall in one of them (longest matching prefix), so a new package is placed on purpose.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("hf_longctx._compat", "hf_longctx._lazy", "hf_longctx._patching"),  # version gates, lazy exports, Patch
+    ("hf_longctx.instrument",),  # counters and timers the collectives report to
+    ("hf_longctx.distributed",),  # process groups, collectives, the layout slot a group carries
+    ("hf_longctx.data",),  # sharding, token layouts, collator, cross-rank input checks
+    ("hf_longctx.multimodal",),  # the vision side of VLMs, on the data layer's shards
+    ("hf_longctx.attention",),  # SP attention and its registration
+    ("hf_longctx.memory", "hf_longctx.loss"),  # memory flags and the SP loss, on top of attention
+    ("hf_longctx.planner", "hf_longctx.check", "hf_longctx.integrations"),  # users of the model layers
+    ("hf_longctx.config",),  # ParallelismConfig attaches the integrations
+    ("hf_longctx.trainer", "hf_longctx.cli"),  # entry points
+    ("hf_longctx",),  # the package's lazy public names
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -86,6 +105,28 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def layer_of(module: str) -> int:
+    """Index in `LAYERS` of the longest prefix of `module` (a package or a module) listed there."""
+    best, depth = -1, -1
+    for index, members in enumerate(LAYERS):
+        for member in members:
+            if (module == member or module.startswith(member + ".")) and member.count(".") > depth:
+                best, depth = index, member.count(".")
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer of LAYERS; add its package there, in order")
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every `importer -> imported` edge whose target sits in a higher layer than its source."""
+    return [
+        f"{source} (layer {layer_of(source)}) -> {target} (layer {layer_of(target)})"
+        for source, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(source)
+    ]
+
+
 def test_no_import_cycle_among_modules():
     assert find_cycle(import_graph()) is None, f"import cycle: {' -> '.join(find_cycle(import_graph()))}"
 
@@ -93,6 +134,19 @@ def test_no_import_cycle_among_modules():
 def test_cycle_finder_sees_a_cycle_through_a_function_level_import():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_import_points_down_the_layers():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a lower layer to a higher one (move the shared piece down):\n" + "\n".join(upward)
+
+
+def test_layer_check_sees_an_upward_import():
+    assert upward_imports({"hf_longctx.distributed.groups": {"hf_longctx.data.layout"}}) == [
+        "hf_longctx.distributed.groups (layer 2) -> hf_longctx.data.layout (layer 3)"
+    ]
+    assert upward_imports({"hf_longctx.data.layout": {"hf_longctx.distributed.layout_slot"}}) == []
+    assert layer_of("hf_longctx.config") > layer_of("hf_longctx.integrations.trainer.state")
 
 
 def test_no_module_over_400_lines():

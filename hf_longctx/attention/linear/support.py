@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from hf_longctx._patching import Patch
 from hf_longctx.attention.kernels import SequenceContext
 from hf_longctx.attention.linear import gated_deltanet
 from hf_longctx.distributed.groups import SequenceParallelGroups
-from hf_longctx.integrations.patching import Patch
 
 # Class name -> adapter module (`check_heads(module, name, sp_size)`, `head_parallel_forward(...)`).
 ADAPTERS = dict.fromkeys(gated_deltanet.LAYOUTS, gated_deltanet)

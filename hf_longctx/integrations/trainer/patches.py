@@ -20,8 +20,8 @@ from typing import Any
 
 from transformers.trainer_pt_utils import LabelSmoother
 
+from hf_longctx._patching import Patch
 from hf_longctx.distributed.failures import apply_timeout
-from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_num_items, replicated_prediction
 from hf_longctx.integrations.trainer.resume import remove_resume_patch, track_layout
 from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state

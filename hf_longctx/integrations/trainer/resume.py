@@ -18,6 +18,8 @@ size that saved it (DeepSpeed's own error names no fix). `Trainer.train` is patc
 from `attach`, at any sp_size) so that a resume whose world size differs from the checkpoint's converts it
 once with DeepSpeed's `ds_to_universal` (rank 0, beside the checkpoint, the other ranks waiting within the job's
 timeout) and loads it universally; a failed conversion raises on every rank with the command to run by hand.
+An optimizer whose state the universal format cannot carry (anything but Adam's moments: SGD) is refused on
+every rank before the conversion and before DeepSpeed starts, with what works instead.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from hf_longctx import _compat
+from hf_longctx._patching import Patch
 from hf_longctx.distributed import comm
 from hf_longctx.distributed.failures import CollectiveError
-from hf_longctx.integrations.patching import Patch
 
 UNIVERSAL_LATEST = "latest_universal"  # the tag file ds_to_universal writes and DeepSpeed's universal load reads
 
@@ -179,8 +181,40 @@ def prepare_universal_resume(trainer: Any, checkpoint: str) -> bool:
         return False
     if not os.path.isfile(os.path.join(checkpoint, UNIVERSAL_LATEST)):
         what = f"saved by {saved} DP ranks, resumed by {trainer.args.world_size}"
+        check_universal_optimizer(folder, what, trainer.args.optim)
         _convert_once(folder, what)
     return True
+
+
+def check_universal_optimizer(folder: str, what: str, optim: Any) -> None:
+    """Raise unless DeepSpeed's universal format can carry the optimizer state saved in the ZeRO folder `folder`.
+
+    Every rank reads rank 0's optimizer file itself (no collective), so every rank raises the same error.
+
+    Raises:
+        ValueError: naming the checkpoint's optimizer state, the run's `optim`, why the conversion cannot work
+            and what does: the saved number of processes, or an Adam-family optimizer.
+    """
+    files = glob.glob(os.path.join(folder, "*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    if not files:  # not a checkpoint the converter can read at all: it says so itself
+        return
+    keys = _compat.zero_optimizer_state_keys(files[0])
+    if keys and all(set(_compat.UNIVERSAL_OPTIMIZER_STATE) <= k for k in keys):
+        return
+    held = sorted(set().union(*keys))
+    state = f"per-parameter state {held}" if held else "no per-parameter state"
+    saved = saved_zero_world_size(folder)
+    name = getattr(optim, "value", optim)
+    raise ValueError(
+        f"Cannot resume the ZeRO checkpoint {folder} at another world size ({what}): its optimizer "
+        f"(TrainingArguments.optim={name!r} in this run) saved {state}, and DeepSpeed's universal checkpoint, the "
+        f"only way to load ZeRO state at another world size, carries Adam's {list(_compat.UNIVERSAL_OPTIMIZER_STATE)} "
+        "only: ds_to_universal fails on it with a KeyError, by hand too. Resume on the "
+        f"{saved} processes that saved it (ZeRO partitions follow the number of processes, not sp_size), or train "
+        "with an Adam-family optimizer (optim='adamw_torch'), whose checkpoints resume at any world size. To "
+        "start a new run from these weights instead (optimizer state and schedule restart), consolidate them with "
+        "the checkpoint's zero_to_fp32.py (DeepSpeed's)."
+    )
 
 
 def _convert_once(folder: str, what: str) -> None:

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from hf_longctx._patching import Patch
 from hf_longctx.data.sharding import IGNORE_INDEX, make_shift_labels
 from hf_longctx.distributed.comm import all_reduce_sum, group_sum
-from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.state import SequenceParallelState
 from hf_longctx.integrations.trl.dpo_losses import F_DIVERGENCES, LOSS_TYPES, Pairs, pair_losses
 from hf_longctx.integrations.trl.errors import UnsupportedSetup

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hf_longctx._patching import Patch
 from hf_longctx.data.collator import SequenceShardingCollator
 from hf_longctx.distributed.groups import validate_sp_size
-from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_hidden
 from hf_longctx.integrations.trl.grpo_data_parallel import make_data_parallel_step, use_module_gathers
 from hf_longctx.integrations.trl.grpo_generation import make_generate

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from hf_longctx._patching import Patch
 from hf_longctx.distributed.comm import all_gather_object, all_gather_stacked, all_reduce_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
-from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trainer.metrics import gather_replicated
 
 # The DP groups of the view in effect (None: outside any view, TRL's functions run unchanged).

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hf_longctx._patching import Patch
 from hf_longctx.distributed.comm import all_reduce_max, group_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
-from hf_longctx.integrations.patching import Patch
 from hf_longctx.integrations.trl.errors import UnsupportedSetup
 
 

@@ -1,5 +1,8 @@
 """Reversible, idempotent attribute patches: the only monkeypatching mechanism of hf_longctx.
 
+It sits below every package (it imports nothing of hf_longctx): the attention layer patches
+linear-attention layers' `forward` with it and the integrations patch Trainer methods with it.
+
 `Patch(owner, name, make)` replaces `owner.name` by `make(original)`; `apply()` twice is a no-op
 (a marker on the replacement), `remove()` restores the exact original object, and the
 replacement keeps `__wrapped__`. Used for the few Trainer methods that have no registry, and on
