@@ -242,7 +242,12 @@ def window_dataset(
 
 
 def document_dataset(
-    tokenizer: PreTrainedTokenizerBase, max_tokens: int, *, repeats: int = 1, split: str = "train"
+    tokenizer: PreTrainedTokenizerBase,
+    max_tokens: int,
+    *,
+    repeats: int = 1,
+    split: str = "train",
+    names: Sequence[str] | None = None,
 ) -> datasets.Dataset:
     """Whole vendored texts as documents, for rows of real long text packed by TRL (`SFTConfig(packing=True)`).
 
@@ -250,6 +255,13 @@ def document_dataset(
     document longer than `max_tokens` (one row) is left out rather than cut, so every row TRL packs holds whole
     documents. `repeats` lists the corpus that many times (about 1.4M GPT-2 tokens per listing: a 1M-token row
     fills from one listing, several rows need several).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        max_tokens: the longest document kept (a row's length).
+        repeats: how many times the documents are listed.
+        split: ``"train"`` (every text but ``HELD_OUT``) or ``"eval"`` (``HELD_OUT``).
+        names: only these texts (file stems) of the split; ``None``: all of them.
 
     Returns:
         A ``datasets.Dataset`` with one column, ``input_ids``.
@@ -262,6 +274,7 @@ def document_dataset(
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     corpus = load_corpus(HELD_OUT) if split == "eval" else {k: v for k, v in load_corpus().items() if k not in HELD_OUT}
+    corpus = {k: v for k, v in corpus.items() if names is None or k in names}
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     documents = [tokenizer(text, add_special_tokens=False)["input_ids"] + eos for text in corpus.values()]
     documents = [doc for doc in documents if len(doc) <= max_tokens]
