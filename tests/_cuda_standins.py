@@ -22,7 +22,13 @@ import math
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
-MIN_ALIGNMENT = 4  # KB/KF kMinimumAlignment on sm80+ (gemm_kernel_utils.h DefaultGemmType), in elements
+
+
+def min_alignment(dtype: torch.dtype) -> int:
+    """Elements of pointer / stride alignment on sm80+: the half-precision kernels are all `kAligned` (cutlassF.h /
+    cutlassB.h list no other for sm80), whose `kAlignmentQ` is 128 bits (8 elements); fp32's is 4 (KF/KB
+    check_supported)."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
 
 
 def raw_read(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -185,20 +191,25 @@ class EfficientOps:
         # Read through `.transpose(1, 2)` (AC/AB): strides below are the [B, M, H, K] view's. KF/KB check_supported.
         assert query.dtype == key.dtype == value.dtype, "query, key and value must have the same dtype"
         assert query.shape[1] == key.shape[1] == value.shape[1], "no GQA: query.size(2) == key.size(2) (AB)"
+        align = min_alignment(query.dtype)
         for name, t in (("query", query), ("key", key), ("value", value), *pointers):
-            assert t.data_ptr() % (MIN_ALIGNMENT * t.element_size()) == 0, f"{name}_ptr is not correctly aligned"
+            assert t.data_ptr() % (align * t.element_size()) == 0, f"{name}_ptr is not correctly aligned"
         for name, t in (("query", query), ("key", key), ("value", value)):
             bmhk = t.transpose(1, 2)
             assert bmhk.stride(-1) == 1, f"{name}: last dimension must be contiguous"
             for dim, label in ((1, "strideM"), (2, "strideH"), (0, "strideB")):
                 if bmhk.shape[dim] > 1 or dim == 1:
-                    assert bmhk.stride(dim) % MIN_ALIGNMENT == 0, f"{name} is not correctly aligned ({label})"
+                    assert bmhk.stride(dim) % align == 0, f"{name} is not correctly aligned ({label})"
         if bias is not None:
             assert bias.dtype == query.dtype, "invalid dtype for bias - should match query's dtype"  # AC
-            assert bias.stride(-1) == 1 and bias.data_ptr() % (MIN_ALIGNMENT * bias.element_size()) == 0
+            assert bias.dim() == 4, "Bias expected in BMHK format"  # AC
+            want = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            for dim, label in enumerate(("batch", "head", "seqlenQ", "seqlenKV")):
+                assert bias.shape[dim] == want[dim], f"attn_bias: wrong shape ({label} dimension)"  # AC: no broadcast
+            assert bias.stride(-1) == 1 and bias.data_ptr() % (align * bias.element_size()) == 0
             for dim, label in ((0, "strideB"), (1, "strideH"), (2, "strideM")):
                 if bias.shape[dim] > 1:
-                    assert bias.stride(dim) % MIN_ALIGNMENT == 0, f"attn_bias is not correctly aligned ({label})"
+                    assert bias.stride(dim) % align == 0, f"attn_bias is not correctly aligned ({label})"
 
     @staticmethod
     def _allowed(bias, b, causal, m, n) -> torch.Tensor:

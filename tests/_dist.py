@@ -132,6 +132,27 @@ def run_distributed(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
+def value_errors(
+    scenarios: dict[str, Callable[[], Any]], after_each: Callable[[], None] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run each scenario in this rank; per name, the `ValueError` message it raised (None if none) and the
+    collectives hf_longctx issued before it (op -> calls): a refusal must come before any attention collective."""
+    from hf_longctx.instrument import record_collectives
+
+    out = {}
+    for name, call in scenarios.items():
+        message = None
+        with record_collectives() as stats:
+            try:
+                call()
+            except ValueError as exc:
+                message = str(exc)
+        out[name] = {"message": message, "collectives": {op: s.calls for op, s in stats.ops.items()}}
+        if after_each is not None:
+            after_each()
+    return out
+
+
 def forkserver_context() -> Any:
     """The session's multiprocessing context: a forkserver with `PRELOAD` imported.
 

@@ -25,8 +25,8 @@ import torch
 import hf_longctx
 from hf_longctx.data.collator import SequenceShardingCollator
 from hf_longctx.data.layout import LAYOUT_KEY
-from hf_longctx.instrument import record_collectives
 from tests import _faults
+from tests._dist import value_errors
 from tests._models import tiny_model
 from tests.dist import _trainer_utils as U
 
@@ -150,18 +150,8 @@ def _trainer_scenarios(out_dir: str) -> dict:
 def bad_inputs_worker(rank: int, world_size: int, out_dir: str) -> dict:
     groups = hf_longctx.SequenceParallelGroups.build(world_size)
     scenarios = {**_library_scenarios(groups), **_trainer_scenarios(out_dir)}
-    out = {}
-    for name, call in scenarios.items():
-        message = None
-        with record_collectives() as stats:
-            try:
-                call()
-            except ValueError as exc:
-                message = str(exc)
-        out[name] = {"message": message, "collectives": {op: s.calls for op, s in stats.ops.items()}}
-        # Both ranks raised at the same point: a collective after each scenario still completes.
-        torch.distributed.barrier()
-    return out
+    # Both ranks raised at the same point: a collective after each scenario still completes.
+    return value_errors(scenarios, after_each=torch.distributed.barrier)
 
 
 def single_case_worker(rank: int, world_size: int, out_dir: str, name: str) -> None:

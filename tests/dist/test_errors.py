@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import hf_longctx
-from hf_longctx.instrument import record_collectives
-from tests._dist import run_distributed
+from tests._dist import run_distributed, value_errors
 from tests._models import tiny_model
 
 WORLD_SIZE = 2
@@ -76,17 +75,8 @@ def errors_worker(rank: int, world_size: int) -> dict:
     """Run each scenario; record the ValueError message (or that none was raised) and the collectives issued."""
     scenarios = _scenarios(rank, world_size)
     assert tuple(scenarios) == SCENARIOS
-    out = {}
-    for name, call in scenarios.items():
-        message = None
-        with record_collectives() as stats:
-            try:
-                call()
-            except ValueError as exc:
-                message = str(exc)
-        out[name] = {"message": message, "collectives": {op: s.calls for op, s in stats.ops.items()}}
-        # Still in step after each failure: a later collective completes on both ranks.
-        torch.distributed.barrier()
+    # Still in step after each failure: a later collective completes on both ranks.
+    out = value_errors(scenarios, after_each=torch.distributed.barrier)
     # Nothing was left behind by the failed enables.
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -122,7 +122,8 @@ def test_varlen_kernels_never_compute_a_row_without_keys():
 def _rule(kind: str, seq: int) -> VisibilityRule:
     rows = [(100, 1, seq - 301, 200), (50, seq - 212, 162)]
     doc = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows])
-    return VisibilityRule(None if kind == "causal" else doc, window=37 if kind == "packed_window" else None)
+    docs = None if kind in ("causal", "window") else doc
+    return VisibilityRule(docs, window=37 if kind in ("packed_window", "window") else None)
 
 
 def _ring_case(kind, world, dtype, kernel_for, seq=512):
@@ -138,10 +139,11 @@ def _ring_case(kind, world, dtype, kernel_for, seq=512):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("kind", ["causal", "packed", "packed_window"])
+@pytest.mark.parametrize("kind", ["causal", "packed", "packed_window", "window"])
 def test_ring_blocks_on_the_cuda_kernels_match_float64_in_bf16(kind, world):
     """What `select_kernel` picks on CUDA without flash-attn (torch's flash for dense and packed blocks, the
-    efficient kernel for masks), every rank of a zigzag ring, against float64 autograd."""
+    efficient kernel for masks), every rank of a zigzag ring, against float64 autograd. Two rows: a window over
+    one document per row plans one mask for the whole batch, which the efficient kernel takes only at batch size."""
     kernels, used = _stand_in_kernels(), set()
 
     def kernel_for(q, plan):
@@ -151,7 +153,7 @@ def test_ring_blocks_on_the_cuda_kernels_match_float64_in_bf16(kind, world):
         return kernel
 
     _ring_case(kind, world, BF16, kernel_for)
-    assert "cuda_efficient" not in used or kind == "packed_window"  # dense and packed blocks run on flash
+    assert ("cuda_efficient" in used) == kind.endswith("window")  # dense and packed blocks run on flash
 
 
 @pytest.mark.parametrize("kind", ["causal", "packed"])
@@ -207,6 +209,8 @@ def test_choose_kernel_on_cuda_without_flash_attn():
     assert name(BF16, head_dims=(192, 128)) == "cuda_efficient"  # MLA: flash wants one head size
     assert name(BF16, head_dims=(264, 264)) == "cuda_efficient"  # over flash's 256
     assert name(BF16, head_dims=(6, 6)) == "math"  # no kernel takes it
+    assert name(BF16, head_dims=(36, 36)) == "math"  # half precision: the efficient kernel wants 8-element rows
+    assert name(torch.float32, head_dims=(36, 36)) == "cuda_efficient"  # fp32: 4 elements
     assert name(torch.float64) == "math"
     assert K.choose_kernel("cpu", BF16, masked=True).name == "cpu_flash"
 
@@ -255,6 +259,13 @@ def test_efficient_stand_in_enforces_check_supported_and_reads_out_at_its_fixed_
         )
     with pytest.raises(AssertionError, match="no GQA"):
         ops._scaled_dot_product_efficient_attention(q, k[:, :2], v[:, :2], None, True, 0.0, False)
+    one_row_bias = torch.zeros(1, 4, 37, 37, dtype=BF16)
+    with pytest.raises(AssertionError, match=r"wrong shape \(batch dimension\)"):  # no broadcast over the batch
+        ops._scaled_dot_product_efficient_attention(q, k, v, one_row_bias, True, 0.0, False)
+    q36, k36, v36, _ = _qkv(bs=2, h=4, hkv=4, n=37, m=37, d=36, dtype=BF16)  # rows of 72 bytes: not 128-bit aligned
+    with pytest.raises(AssertionError, match="not correctly aligned"):
+        ops._scaled_dot_product_efficient_attention(q36, k36, v36, None, True, 0.0, False)
+    ops._scaled_dot_product_efficient_attention(q36.float(), k36.float(), v36.float(), None, True, 0.0, False)
     right = ops._scaled_dot_product_efficient_attention_backward(dout, q, k, v, None, out, lse, *args, scale=0.3)
     as_bhmk = out.contiguous()  # the same values, contiguous as [B, H, M, K]
     misread = ops._scaled_dot_product_efficient_attention_backward(dout, q, k, v, None, as_bhmk, lse, *args, scale=0.3)

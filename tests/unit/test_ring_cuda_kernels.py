@@ -180,14 +180,15 @@ def test_varlen_path_matches_float64_attention_over_packed_documents(monkeypatch
     assert all(c["cu_seqlens_q"][-1] > 0 for n, c in F.PRIVATE_CALLS if n == "varlen_forward")
 
 
-def test_merge_ignores_a_nan_output_on_rows_whose_block_lse_is_minus_inf():
+@pytest.mark.parametrize("empty", [-math.inf, math.inf])  # +inf: FlashAttention-2's mark of a row without keys
+def test_merge_ignores_a_nan_output_on_rows_whose_block_lse_is_infinite(empty):
     out = torch.zeros(1, 1, 2, 3, dtype=torch.float64)
     lse = torch.full((1, 1, 2), -math.inf, dtype=torch.float64)
     merge_block(
         out, lse, torch.ones(1, 1, 2, 3, dtype=torch.float64), torch.zeros(1, 1, 2, dtype=torch.float64), slice(0, 2)
     )
     nan_row = torch.tensor([[[[1.0] * 3, [math.nan] * 3]]], dtype=torch.float64)
-    merge_block(out, lse, nan_row, torch.tensor([[[0.0, -math.inf]]], dtype=torch.float64), slice(0, 2))
+    merge_block(out, lse, nan_row, torch.tensor([[[0.0, empty]]], dtype=torch.float64), slice(0, 2))
     assert not bool(out.isnan().any())
     torch.testing.assert_close(out, torch.ones_like(out))
     torch.testing.assert_close(lse, torch.tensor([[[math.log(2.0), 0.0]]], dtype=torch.float64))

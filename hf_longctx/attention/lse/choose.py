@@ -3,8 +3,9 @@
 CPU: torch's CPU flash kernel, any float dtype. CUDA, fp16/bf16 with a head size flash takes (equal for q, k and
 v, a multiple of 8, at most 256) on sm80+: flash-attn's kernels when installed, else torch's own FlashAttention-2,
 for dense blocks and packed (varlen) ones; torch's memory-efficient kernel for blocks with any other mask, for
-fp32 and for head sizes flash does not take; float64 and other devices: the math kernel. Each (device, dtype,
-block kind) choice is logged once per process.
+fp32 and for head sizes over 256; float64, head sizes the efficient kernel's alignment refuses (not a multiple of 8
+in fp16/bf16, of 4 in fp32) and other devices: the math kernel. Each (device, dtype, block kind) choice is logged
+once per process.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def choose_kernel(
     """
     if device_type == "cpu":
         kernel: BlockKernel = _CPU
-    elif device_type == "cuda" and dtype != torch.float64 and efficient_supports(*head_dims):
+    elif device_type == "cuda" and dtype != torch.float64 and efficient_supports(dtype, *head_dims):
         cuda = kernels or _cuda()
         kernel = cuda.masked
         # Stand-in kernels (tests on CPU tensors) skip the device's capability.

@@ -5,11 +5,15 @@ fp32 block, and head sizes flash does not take.
 (aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h and kernel_backward.h `check_supported`,
 attention_backward.cu):
 
-- q, k, v `[B, H, M, K]`, read as `[B, M, H, K]` through a transpose: pointers aligned to 4 elements and strides
-  along M, H and B multiples of 4 elements (`kMinimumAlignment` on sm80+). One head count for q, k and v (no GQA:
-  kv heads are expanded here and their gradients summed back over each group).
-- bias: q's dtype, last dimension contiguous, strides multiples of 4 elements; a stride-0 broadcast passes.
-  `aligned_bias` pads rows to 16 elements (as SDPA's own `pad_bias`) and broadcasts heads.
+- q, k, v `[B, H, M, K]`, read as `[B, M, H, K]` through a transpose: pointers and strides along M, H and B aligned
+  to 128 bits, 8 elements in fp16/bf16 and 4 in fp32 (on sm80+ the half-precision kernels are all `kAligned`, their
+  `kAlignmentQ` is 128 / 16 bits; `check_supported`); so the head sizes must be multiples of that
+  (`efficient_supports`: others run on the math kernel). One head count for q, k and v (no GQA: kv heads are
+  expanded here and their gradients summed back over each group).
+- bias: q's dtype, `[B, H, M, N]` with B and H equal to the query's (attention.cu "attn_bias: wrong shape (batch
+  dimension)": no broadcast over the batch, unlike SDPA's front end), last dimension contiguous, strides aligned as
+  above; a stride-0 broadcast passes. `aligned_bias` pads rows to 16 elements (as SDPA's own `pad_bias`) and
+  broadcasts batch and heads.
 - LSE: the forward returns float32 `[B, H, ceil(M / 32) * 32]` and fills the padding with +inf ("To make the
   backward easier, we pad logsumexp with inf"). The backward reads it through its strides up to that padded length
   and refuses a head or batch stride that is not a multiple of 8 ("LSE is not correctly aligned (strideH)"); the
@@ -32,22 +36,27 @@ from hf_longctx.attention.lse.contract import clear_empty_rows, dense_mask
 
 BIAS_ALIGNMENT = 16  # elements per bias row, as SDPA pads them
 LSE_ALIGNMENT = 32  # kAlignLSE: the forward's LSE length is a multiple of it
-MIN_ALIGNMENT = 4  # kMinimumAlignment (elements) of pointers and strides on sm80+
+ALIGN_BYTES = 16  # 128 bits: the alignment of pointers and strides the sm80+ kernels read (see the contract)
 
 
-def efficient_supports(head_dim: int, head_dim_v: int) -> bool:
-    """Whether the kernel's stride checks can hold for contiguous inputs of these head sizes."""
-    return head_dim % MIN_ALIGNMENT == 0 and head_dim_v % MIN_ALIGNMENT == 0
+def min_alignment(dtype: torch.dtype) -> int:
+    """Elements per 128 bits: 8 in fp16/bf16, 4 in fp32."""
+    return ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
 
 
-def aligned_bias(allowed: torch.Tensor, dtype: torch.dtype, heads: int) -> torch.Tensor:
-    """Additive 0 / -inf bias `[bs, heads, nr, nc]` from a boolean `[bs, 1, nr, nc]` mask: rows padded to an aligned
-    stride and sliced back, heads broadcast with stride 0 (never copied per head)."""
+def efficient_supports(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> bool:
+    """Whether the kernel's stride checks can hold for contiguous `dtype` inputs of these head sizes."""
+    return head_dim % min_alignment(dtype) == 0 and head_dim_v % min_alignment(dtype) == 0
+
+
+def aligned_bias(allowed: torch.Tensor, dtype: torch.dtype, batch: int, heads: int) -> torch.Tensor:
+    """Additive 0 / -inf bias `[batch, heads, nr, nc]` from a boolean `[1 or batch, 1, nr, nc]` mask: rows padded to
+    an aligned stride and sliced back, batch and heads broadcast with stride 0 (never copied)."""
     nc = allowed.shape[-1]
     padded = -(-nc // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
     bias = torch.full((*allowed.shape[:-1], padded), float("-inf"), dtype=dtype, device=allowed.device)
     bias[..., :nc].masked_fill_(allowed, 0.0)
-    return bias[..., :nc].expand(allowed.shape[0], heads, -1, -1)
+    return bias[..., :nc].expand(batch, heads, -1, -1)
 
 
 def padded_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -60,7 +69,9 @@ def padded_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % (MIN_ALIGNMENT * t.element_size()) == 0
+    # The fp16/bf16 backward loads `out` 128 bits at a time (kernel_backward.h computeDelta) though check_supported
+    # only asks for kMinimumAlignment: 16 bytes keeps those loads aligned.
+    return t.data_ptr() % ALIGN_BYTES == 0
 
 
 def bmhk_out(out: torch.Tensor) -> torch.Tensor:
@@ -90,7 +101,7 @@ class EfficientKernel:
 
     def forward(self, q, k, v, *, causal, allowed, scale, segments=None):
         allowed = dense_mask(q, k, allowed, segments)
-        bias = None if allowed is None else aligned_bias(allowed, q.dtype, q.shape[1])
+        bias = None if allowed is None else aligned_bias(allowed, q.dtype, *q.shape[:2])
         out, lse, _, _ = self._ops._scaled_dot_product_efficient_attention(
             q.contiguous(), _expand_kv(q, k).contiguous(), _expand_kv(q, v).contiguous(), bias, True, 0.0, causal,
             scale=scale,
@@ -99,7 +110,7 @@ class EfficientKernel:
 
     def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
         allowed = dense_mask(q, k, allowed, segments)
-        bias = None if allowed is None else aligned_bias(allowed, q.dtype, q.shape[1])
+        bias = None if allowed is None else aligned_bias(allowed, q.dtype, *q.shape[:2])
         seed = offset = torch.zeros((), dtype=torch.int64)  # read only with dropout (a CPU scalar, as torch's own)
         gq, gk, gv, _ = self._ops._scaled_dot_product_efficient_attention_backward(
             dout, q.contiguous(), _expand_kv(q, k).contiguous(), _expand_kv(q, v).contiguous(), bias, bmhk_out(out),
