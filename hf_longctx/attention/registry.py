@@ -8,8 +8,8 @@ all-gathers the global `position_ids` once per forward. Everything is undone by 
 
 With single-process groups (`SequenceParallelGroups.single()`, what `sp_size=1` uses) the same attention runs
 the model's kernel per document of `position_ids` with no mask at all (transformers would build a dense
-`[S, S]` one for packed rows); a forward it cannot serve that way (a filled KV cache, left padding: generation)
-runs with the model's own attention implementation, its own mask included, restored for that forward only.
+`[S, S]` one for packed rows); generation (`generate()`, or a forward with a filled KV cache or left padding)
+runs with the model's own attention implementation, its own mask included (`attention/single.py`).
 """
 
 from __future__ import annotations
@@ -23,16 +23,22 @@ from typing import Any
 import torch
 
 from hf_longctx import _compat
+from hf_longctx._patching import Patch
 from hf_longctx.attention.auto import detect_link
 from hf_longctx.attention.backends import SPBackend, agree_across_ranks, decided_locally, resolve_backend
 from hf_longctx.attention.head_chunks import check_chunks_backend, check_head_chunks, head_chunked_attention
 from hf_longctx.attention.kernels import SequenceContext, kernel_family
 from hf_longctx.attention.linear.support import attach_linear_layers, check_token_mixers, linear_layers
 from hf_longctx.attention.ring.hybrid import check_ring_model, hybrid_attention
+from hf_longctx.attention.semantics import check_attention_semantics
+from hf_longctx.attention.single import (
+    model_attention_in_generate,
+    single_process_positions,
+    warn_training_left_to_model,
+)
 from hf_longctx.attention.ulysses import ulysses_attention
 from hf_longctx.data.consistency import PRIVATE_KEYS, SIGNATURE_KEY, check_shard_consistency
 from hf_longctx.data.layout import LAYOUT_KEY, to_global_order
-from hf_longctx.data.sharding import position_ids_from_cu_seqlens
 from hf_longctx.data.validation import ModelLimits
 from hf_longctx.distributed.comm import all_gather_sequence
 from hf_longctx.distributed.groups import SequenceParallelGroups
@@ -58,6 +64,7 @@ class SequenceParallelHandle:
         self.context: SequenceContext | None = None
         self.attention_calls = 0  # attention calls in the current forward (see `_check_layers`)
         self._left_to_model: str | None = None  # our attention key, while a forward runs the model's own
+        self.generating = 0  # single process: inside `model.generate` (its forwards run the model's own attention)
         self.linear_calls = 0  # head-parallel linear-attention calls in the current forward
         self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
         self.num_linear = len(linear_layers(model))  # decoder layers whose token mixer is linear attention
@@ -91,8 +98,10 @@ class SequenceParallelHandle:
             kwargs.pop(key, None)
         position_ids = kwargs.get("position_ids")
         if not self.groups.sp_enabled:
-            position_ids = _single_process_positions(kwargs)
+            position_ids = None if self.generating else single_process_positions(kwargs)
             if position_ids is None:  # generation: the model's own attention and mask run this forward
+                if torch.is_grad_enabled() and not self.generating:
+                    warn_training_left_to_model()
                 self.context = None
                 self._left_to_model = _attention_config(self.model)._attn_implementation_internal
                 _attention_config(self.model)._attn_implementation_internal = self.kernel_name
@@ -139,7 +148,7 @@ class SequenceParallelHandle:
 
     def _context_of(self, kwargs: dict[str, Any]) -> SequenceContext | None:
         # The forward's context, from the layer's kwargs (replayed by activation checkpointing) or the handle;
-        # without SP, None means the model's own attention runs (see `_single_process_positions`).
+        # without SP, None means the model's own attention runs (see `attention/single.py`).
         context = kwargs.pop(CONTEXT_KWARG, None) or self.context
         if context is None and self.groups.sp_enabled:
             raise ValueError("No sequence context: the model must be called through its top-level forward.")
@@ -183,7 +192,8 @@ def check_model(
     Raises:
         ValueError: unknown backend or options, an unsupported attention implementation, head
             counts incompatible with the backend and `sp_size`, ring attention with soft-capping or
-            sinks, `ulysses_head_chunks` that do not split the local heads, or token mixing outside attention.
+            sinks, `ulysses_head_chunks` that do not split the local heads, token mixing outside attention, or
+            attention that is not causal within documents (`attention/semantics.py`).
     """
     _compat.check_versions()
     check_chunks_backend(ulysses_head_chunks, backend)
@@ -207,6 +217,7 @@ def check_model(
     if ulysses_head_chunks != 1:
         check_head_chunks(num_heads, num_kv_heads, sp_size, ulysses_head_chunks)
     check_token_mixers(model, sp_size)
+    check_attention_semantics(model)
     return sp
 
 
@@ -314,6 +325,10 @@ def enable_sequence_parallel(
         handle._undo.extend(install_vision_hooks(model, handle))
         patches = attach_linear_layers(model, groups, sp.layout, handle._context_of, handle._count_linear)
         handle._undo.extend(patch.remove for patch in patches)
+        if not groups.sp_enabled and callable(getattr(model, "generate", None)):
+            generate = Patch(model, "generate", model_attention_in_generate(handle, config))
+            generate.apply()
+            handle._undo.append(generate.remove)
         setattr(model, _HANDLE_ATTR, handle)
         handle._undo.append(lambda: delattr(model, _HANDLE_ATTR))
     except Exception:
@@ -347,30 +362,6 @@ def _ring_kwargs(sp: SPBackend, groups: SequenceParallelGroups) -> dict[str, Any
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _single_process_positions(kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """Without SP: the positions whose documents the attention follows, or None when the forward is left to the
-    model's own attention and mask: a KV cache that already holds tokens, or padding that is not right padding
-    (both are generation; training batches are right-padded or packed)."""
-    for name in ("cache", "past_key_values"):  # transformers 5.25 renames past_key_values to cache
-        cache = kwargs.get(name)
-        if cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0:
-            return None
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        m = mask.to(torch.int64)
-        if m.dim() != 2 or bool((m[:, 1:] > m[:, :-1]).any()):
-            return None
-    if kwargs.get("position_ids") is not None:
-        return kwargs["position_ids"]
-    ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    if ids is None:
-        return None
-    bs, sl = ids.shape[:2]
-    if kwargs.get("cu_seq_lens_q") is not None and bs == 1:
-        return position_ids_from_cu_seqlens(kwargs["cu_seq_lens_q"].cpu(), sl).to(ids.device)
-    return torch.arange(sl, device=ids.device).expand(bs, sl)
 
 
 def _no_zero_denominator(kwargs: dict[str, Any]) -> None:

@@ -128,6 +128,8 @@ def exchange_qkv(
     views of the model's q/k/v so: the send buffer is then their only copy).
     """
     ws, group = groups.sp_world_size, groups.sp_group
+    if ws == 1 and layout.kv_index is None and query.dim() == key.dim() == value.dim() == 4:
+        return query, key, value  # one rank (sp_size=1): nothing to exchange, and no packed q/k/v copy
     if layout.kv_index is not None:
         index = head_index(layout.kv_index, key.device)
         key, value = key.index_select(1, index), value.index_select(1, index)
@@ -236,7 +238,14 @@ def attend_local_heads(
     for name in PER_HEAD_KWARGS:
         if isinstance(kwargs.get(name), torch.Tensor):
             kwargs[name] = kwargs[name][heads]
-    view = _KernelModuleView(call.module, layout.kv_groups_local, call.kernel_name, heads, call.attrs)
+    kv_groups = layout.kv_groups_local
+    if call.family == "sdpa" and kv_groups > 1 and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        # Without a mask transformers hands SDPA grouped K/V (`enable_gqa`), which only its flash and math kernels
+        # take (torch.nn.functional.scaled_dot_product_attention's docs); flash wants fp16/bf16, and math holds
+        # [S, S] scores per document. Expanded K/V (O(S) memory) let the memory-efficient kernel run it.
+        k, v = (t.repeat_interleave(kv_groups, dim=1) for t in (k, v))
+        kv_groups = 1
+    view = _KernelModuleView(call.module, kv_groups, call.kernel_name, heads, call.attrs)
     # [bs, sl, hc_l, hs_v]; sdpa / eager run per document (or block), never with a [sl, sl] mask
     out = attend(call.kernel, view, call.family, call.context, q, k, v, kwargs, attention_chunk_size(call.module))
     return all_to_all(out, scatter_dim=1, gather_dim=2, group=call.groups.sp_group)  # [bs, sl_l, ws * hc_l, hs_v]

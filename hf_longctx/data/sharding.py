@@ -49,6 +49,15 @@ def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torc
     return pos.unsqueeze(0)
 
 
+def position_ids_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 wherever `seq_idx` `[bs, S]` (one id per packed document, as transformers'
+    `DataCollatorWithFlattening(return_seq_idx=True)` gives) changes."""
+    index = torch.arange(seq_idx.shape[-1], device=seq_idx.device).expand_as(seq_idx)
+    start = torch.ones_like(seq_idx, dtype=torch.bool)
+    start[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return index - torch.where(start, index, torch.zeros_like(index)).cummax(-1).values
+
+
 def check_right_padding(attention_mask: torch.Tensor) -> None:
     """Raise unless every row of a 2-D mask is ones followed by zeros (right padding).
 
@@ -144,6 +153,8 @@ def prepare_global_batch(
         check_right_padding(mask)
     device = batch["input_ids" if "input_ids" in batch else "inputs_embeds"].device
     pos = batch.get("position_ids")
+    if pos is None and isinstance(batch.get("seq_idx"), torch.Tensor):
+        pos = position_ids_from_seq_idx(batch["seq_idx"].to(device).expand(bs, sl))
     if pos is None and batch.get("cu_seq_lens_q") is not None:
         if bs != 1:
             raise ValueError(

@@ -95,6 +95,9 @@ class _TiledLayer:
             return self.original(hidden_states, *args, **kwargs)
         if sp is not None and (sp.backend.name != "ulysses" or sp.backend.layout != "contiguous"):
             return self.original(hidden_states, *args, **kwargs)
+        if sp is not None and not sp.groups.sp_enabled and (kwargs.get(SP_CONTEXT_KWARG) or sp.context) is None:
+            self.state.log_once("a forward left to the model's own attention and mask (left padding)", "run untiled")
+            return self.original(hidden_states, *args, **kwargs)
         n = min(self.state.tiles_for(hidden_states, self.layer), hidden_states.shape[1])  # no empty tiles
         if n <= 1:
             return self.original(hidden_states, *args, **kwargs)

@@ -136,6 +136,10 @@ def test_cu_seq_lens_rebuild_position_ids_and_are_dropped():
     ]
     for rank, shard in enumerate(shards(batch, 2)):
         assert_batch_equal(shard, expected[rank])
+    # DataCollatorWithFlattening(return_seq_idx=True, return_position_ids=False) describes the same row by seq_idx.
+    by_seq_idx = {k: batch[k] for k in ("input_ids", "labels")} | {"seq_idx": t([[0, 0, 0, 1, 1, 2]])}
+    for rank, shard in enumerate(shards(by_seq_idx, 2)):
+        assert_batch_equal(shard, expected[rank])
 
 
 def test_given_shift_labels_are_used_as_is_and_labels_removed():

@@ -85,3 +85,73 @@ def test_document_attention_is_refused_where_it_cannot_serve():
     from tests.dist._linear_jobs import tiny_qwen3_next
 
     assert "linear-attention" in document_attention_refusal(tiny_qwen3_next(), config)
+
+
+def test_generate_with_a_static_cache_runs_the_models_own_masks():
+    """A static cache's masks are built in `prepare_inputs_for_generation`, outside the forward: `generate()` as a
+    whole runs the model's own attention, so left padding stays masked (it was attended before)."""
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref_model, model = tiny_model("llama"), tiny_model("llama")
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
+    want = ref_model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    with enable_sequence_parallel(model, SINGLE) as handle:
+        got = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        assert model.config._attn_implementation == handle.key and handle.generating == 0
+    assert "generate" not in model.__dict__  # the instance patch is gone with the handle
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("given", ["seq_idx", "cu_seq_lens_q"])
+def test_packed_rows_described_without_position_ids_keep_their_documents(given):
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(4))
+    lengths = (7, 9, 8)
+    ref_model, model = tiny_model("llama"), tiny_model("llama")
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    want = ref_model(input_ids=ids, position_ids=pos, attention_mask=None)
+    documents = {
+        "seq_idx": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0),
+        "cu_seq_lens_q": torch.tensor([0, 7, 16, 24], dtype=torch.int32),
+    }
+    with enable_sequence_parallel(model, SINGLE) as handle:
+        got = model(input_ids=ids, **{given: documents[given]})
+        assert torch.equal(handle.context.position_ids, pos)
+        with pytest.raises(ValueError, match="pass position_ids"):
+            model(input_ids=ids.expand(2, -1), cu_seq_lens_q=documents["cu_seq_lens_q"])
+    # RoPE is relative: the model's own arange positions give each document the same scores as restarting ones.
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_models_that_compute_attention_themselves_keep_it():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = type("C", (), {"ulysses_head_chunks": 1})()
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=1, n_head=4))
+    assert "without transformers' attention interface" in document_attention_refusal(bloom, config)
+
+
+def test_one_rank_exchanges_nothing():
+    from hf_longctx.attention.ulysses import exchange_qkv, head_layout
+
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    got = exchange_qkv(q, k, v, head_layout(4, 2, 1), SINGLE)
+    assert all(a is b for a, b in zip(got, (q, k, v), strict=True))  # no packed q/k/v copy at sp_size=1
+
+
+def test_left_padded_training_forward_runs_the_models_attention_untiled(caplog):
+    """Left padding in a training forward is left to the model's own attention and mask (warned once); the tiled
+    layer then runs the layer untiled instead of failing on the missing context."""
+    from hf_longctx.attention.single import warn_training_left_to_model
+    from hf_longctx.memory.tiled_layer import enable_tiled_layer
+
+    warn_training_left_to_model.cache_clear()
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    ref_model, model = tiny_model("llama"), tiny_model("llama")
+    want = ref_model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    with enable_sequence_parallel(model, SINGLE), enable_tiled_layer(model, 2):
+        got = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert "Pad on the right" in caplog.text

@@ -5,8 +5,10 @@ row of 1.2M tokens asked for 1,341 GiB on an H200, 2026-12-04). `attach_single(c
 accelerator's `prepare` / `prepare_model` (instance attributes): each model gets the config's memory flags and,
 when it is a text decoder whose token mixers are all softmax attention, hf_longctx's attention with
 single-process groups (`enable_sequence_parallel(model, SequenceParallelGroups.single())`): its own kernel per
-document of `position_ids`, no mask; generation (a filled KV cache, left padding) runs the model's own attention.
-Vision-language and linear-attention models keep theirs (logged). `detach_single` undoes everything.
+document of `position_ids`, no mask; generation (`generate()`, a filled KV cache, left padding) runs the model's
+own attention (`attention/single.py`). Vision-language and linear-attention models, decoders that do not call
+transformers' attention interface and attention that is not causal (`attention/semantics.py`) keep theirs
+(logged). `detach_single` undoes everything.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from hf_longctx.attention.linear.support import linear_layers
 from hf_longctx.attention.registry import SequenceParallelHandle, check_model, enable_sequence_parallel
+from hf_longctx.attention.semantics import uses_attention_interface
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.memory.flags import MemoryHandle, apply_memory_flags
 from hf_longctx.multimodal.vision import multimodal_model
@@ -38,6 +41,8 @@ def document_attention_refusal(model: torch.nn.Module, config: Any) -> str | Non
         return "a vision-language model"
     if linear_layers(model):
         return "it has linear-attention layers"
+    if not uses_attention_interface(model):
+        return "its decoder computes attention itself, without transformers' attention interface"
     try:
         check_model(model, 1, "ulysses", ulysses_head_chunks=config.ulysses_head_chunks)
     except ValueError as err:
