@@ -28,7 +28,7 @@ def min_alignment(dtype: torch.dtype) -> int:
     """Elements of pointer / stride alignment on sm80+: the half-precision kernels are all `kAligned` (cutlassF.h /
     cutlassB.h list no other for sm80), whose `kAlignmentQ` is 128 bits (8 elements); fp32's is 4 (KF/KB
     check_supported)."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def raw_read(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_longctx.data.sharding import position_ids_from_cu_seqlens, position_ids_from_seq_idx
+from hf_longctx.data.sharding import document_positions, right_padded
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +25,7 @@ def single_process_positions(kwargs: dict[str, Any]) -> torch.Tensor | None:
     attention and mask: a KV cache that already holds tokens, or padding that is not right padding (both are
     generation; training batches are right-padded or packed).
 
-    Documents come from `position_ids` (restarting at 0), else `seq_idx` or `cu_seq_lens_q` (transformers'
-    `DataCollatorWithFlattening` can pass either instead), else each row is one document.
+    Documents as `shard_batch` finds them (`data.sharding.document_positions`).
 
     Raises:
         ValueError: `cu_seq_lens_q` without `position_ids` for a batch of several rows.
@@ -36,25 +35,12 @@ def single_process_positions(kwargs: dict[str, Any]) -> torch.Tensor | None:
         if cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0:
             return None
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        m = mask.to(torch.int64)
-        if m.dim() != 2 or bool((m[:, 1:] > m[:, :-1]).any()):
-            return None
-    if kwargs.get("position_ids") is not None:
-        return kwargs["position_ids"]
+    if isinstance(mask, torch.Tensor) and not right_padded(mask):
+        return None
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if ids is None:
-        return None
-    bs, sl = ids.shape[:2]
-    if isinstance(kwargs.get("seq_idx"), torch.Tensor):
-        return position_ids_from_seq_idx(kwargs["seq_idx"].to(ids.device).expand(bs, sl))
-    if kwargs.get("cu_seq_lens_q") is not None:
-        if bs != 1:
-            raise ValueError(
-                f"cu_seq_lens_q describes one padding-free row, but the batch has {bs} rows; pass position_ids."
-            )
-        return position_ids_from_cu_seqlens(kwargs["cu_seq_lens_q"].cpu(), sl).to(ids.device)
-    return torch.arange(sl, device=ids.device).expand(bs, sl)
+        return kwargs.get("position_ids")
+    return document_positions(kwargs, *ids.shape[:2], ids.device)
 
 
 @functools.cache

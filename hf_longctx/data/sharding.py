@@ -58,6 +58,35 @@ def position_ids_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
     return index - torch.where(start, index, torch.zeros_like(index)).cummax(-1).values
 
 
+def document_positions(batch: dict[str, Any], bs: int, sl: int, device: torch.device) -> torch.Tensor:
+    """`[bs, sl]` positions restarting at 0 at every packed document: `position_ids`, else from `seq_idx`, else from
+    `cu_seq_lens_q` (one row; transformers' `DataCollatorWithFlattening` sends either instead), else `arange`.
+
+    Raises:
+        ValueError: `cu_seq_lens_q` without `position_ids` for a batch of several rows.
+    """
+    pos = batch.get("position_ids")
+    if pos is None and isinstance(batch.get("seq_idx"), torch.Tensor):
+        pos = position_ids_from_seq_idx(batch["seq_idx"].to(device).expand(bs, sl))
+    if pos is None and batch.get("cu_seq_lens_q") is not None:
+        if bs != 1:
+            raise ValueError(
+                f"cu_seq_lens_q describes one padding-free row, but the batch has {bs} rows; pass position_ids."
+            )
+        pos = position_ids_from_cu_seqlens(batch["cu_seq_lens_q"].cpu(), sl).to(device)
+    if pos is None:
+        pos = torch.arange(sl, dtype=torch.long, device=device)
+    return pos.to(torch.long).expand(bs, sl)
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of a 2-D mask is ones followed by zeros."""
+    if attention_mask.dim() != 2:
+        return False
+    m = attention_mask.to(torch.int64)
+    return not bool((m[:, 1:] > m[:, :-1]).any())
+
+
 def check_right_padding(attention_mask: torch.Tensor) -> None:
     """Raise unless every row of a 2-D mask is ones followed by zeros (right padding).
 
@@ -69,8 +98,7 @@ def check_right_padding(attention_mask: torch.Tensor) -> None:
             f"attention_mask must be 2-D [batch, seq] under sequence parallelism, got shape "
             f"{tuple(attention_mask.shape)}; for packed documents pass position_ids that restart at 0 instead."
         )
-    m = attention_mask.to(torch.int64)
-    if bool((m[:, 1:] > m[:, :-1]).any()):
+    if not right_padded(attention_mask):
         raise ValueError(
             "Left (or inner) padding found in attention_mask; sequence parallelism needs right padding: "
             "set tokenizer.padding_side = 'right' (or pack documents with restarting position_ids)."
@@ -152,18 +180,7 @@ def prepare_global_batch(
     if mask is not None:
         check_right_padding(mask)
     device = batch["input_ids" if "input_ids" in batch else "inputs_embeds"].device
-    pos = batch.get("position_ids")
-    if pos is None and isinstance(batch.get("seq_idx"), torch.Tensor):
-        pos = position_ids_from_seq_idx(batch["seq_idx"].to(device).expand(bs, sl))
-    if pos is None and batch.get("cu_seq_lens_q") is not None:
-        if bs != 1:
-            raise ValueError(
-                f"cu_seq_lens_q describes one padding-free row, but the batch has {bs} rows; pass position_ids."
-            )
-        pos = position_ids_from_cu_seqlens(batch["cu_seq_lens_q"].cpu(), sl).to(device)
-    if pos is None:
-        pos = torch.arange(sl, dtype=torch.long, device=device).expand(bs, sl)
-    pos = pos.to(torch.long).expand(bs, sl)
+    pos = document_positions(batch, bs, sl, device)
     out["position_ids"] = pos
     if batch.get("shift_labels") is None and batch.get("labels") is not None:
         out["shift_labels"] = make_shift_labels(batch["labels"], pos.to(batch["labels"].device), mask)

@@ -41,7 +41,7 @@ ALIGN_BYTES = 16  # 128 bits: the alignment of pointers and strides the sm80+ ke
 
 def min_alignment(dtype: torch.dtype) -> int:
     """Elements per 128 bits: 8 in fp16/bf16, 4 in fp32."""
-    return ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    return ALIGN_BYTES // dtype.itemsize
 
 
 def efficient_supports(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> bool:
