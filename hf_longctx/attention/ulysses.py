@@ -212,6 +212,14 @@ class KernelCall:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
+def sdpa_takes_grouped_kv(q: torch.Tensor) -> bool:
+    """Whether SDPA runs grouped K/V (`enable_gqa`, what transformers passes when there is no mask) for `q` without
+    its math kernel, which holds [S, S] scores per document. On CUDA only its flash kernel takes them (fp16/bf16;
+    torch.nn.functional.scaled_dot_product_attention's docs: GQA "works only for Flash_attention and math kernel on
+    CUDA"), so fp32 gets expanded K/V, which the memory-efficient kernel takes; the CPU flash kernel takes them."""
+    return not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)
+
+
 def attend_local_heads(
     call: KernelCall,
     query: torch.Tensor,
@@ -239,11 +247,8 @@ def attend_local_heads(
         if isinstance(kwargs.get(name), torch.Tensor):
             kwargs[name] = kwargs[name][heads]
     kv_groups = layout.kv_groups_local
-    if call.family == "sdpa" and kv_groups > 1 and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        # Without a mask transformers hands SDPA grouped K/V (`enable_gqa`), which only its flash and math kernels
-        # take (torch.nn.functional.scaled_dot_product_attention's docs); flash wants fp16/bf16, and math holds
-        # [S, S] scores per document. Expanded K/V (O(S) memory) let the memory-efficient kernel run it.
-        k, v = (t.repeat_interleave(kv_groups, dim=1) for t in (k, v))
+    if call.family == "sdpa" and kv_groups > 1 and not sdpa_takes_grouped_kv(q):
+        k, v = (t.repeat_interleave(kv_groups, dim=1) for t in (k, v))  # O(S) memory, for the efficient kernel
         kv_groups = 1
     view = _KernelModuleView(call.module, kv_groups, call.kernel_name, heads, call.attrs)
     # [bs, sl, hc_l, hs_v]; sdpa / eager run per document (or block), never with a [sl, sl] mask

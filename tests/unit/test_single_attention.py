@@ -155,3 +155,24 @@ def test_left_padded_training_forward_runs_the_models_attention_untiled(caplog):
         got = model(input_ids=ids, attention_mask=mask, labels=ids).loss
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert "Pad on the right" in caplog.text
+
+
+def test_grouped_kv_reach_sdpa_expanded_where_only_its_math_kernel_takes_them(monkeypatch):
+    """fp32 on CUDA: SDPA takes `enable_gqa` with fewer K/V heads only in its math kernel ([S, S] scores). The stand-in
+    SDPA refuses exactly that; `sdpa_takes_grouped_kv` says False as it does for CUDA fp32."""
+    from hf_longctx.attention import ulysses
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def efficient_or_flash_only(query, key, value, *args, enable_gqa=False, **kwargs):
+        assert query.shape[1] == key.shape[1], "grouped K/V: SDPA would run its math kernel"
+        return sdpa(query, key, value, *args, enable_gqa=enable_gqa, **kwargs)
+
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(6))
+    ref_model, model = tiny_model("llama"), tiny_model("llama")  # 4 query heads, 2 K/V heads
+    want = ref_model(input_ids=ids).logits
+    monkeypatch.setattr(ulysses, "sdpa_takes_grouped_kv", lambda q: False)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", efficient_or_flash_only)
+    with enable_sequence_parallel(model, SINGLE):
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
