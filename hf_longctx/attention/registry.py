@@ -44,6 +44,8 @@ from hf_longctx.distributed.comm import all_gather_sequence
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.distributed.ring_comm import ring_of
 from hf_longctx.multimodal.vision import install_vision_hooks
+from hf_longctx.sequence import SequenceOps, ShardView
+from hf_longctx.sequence.temperature import globally_scaled_query, scales_query_by_index
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class SequenceParallelHandle:
         self.num_layers = int(getattr(_attention_config(model), "num_hidden_layers", 0) or 0)
         self.num_linear = len(linear_layers(model))  # decoder layers whose token mixer is linear attention
         self.limits = ModelLimits.of(model)  # vocabulary and position limit, checked every forward
+        self.sequence: SequenceOps | None = None  # router loss, run-time RoPE, NEFTune: whole-sequence values
         self._forward_takes_kwargs = any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
         )
@@ -121,6 +124,13 @@ class SequenceParallelHandle:
         self.attention_calls = self.linear_calls = 0
         gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
         self.context = SequenceContext(to_global_order(gathered, self.backend.layout, self.groups.sp_world_size))
+        if self.sequence is not None:
+            length = int(signature[2]) if signature is not None else None  # the row before SP padding
+            groups = self.groups
+            view = ShardView.build(
+                self.context.position_ids, self.backend.layout, groups.sp_rank, groups.sp_world_size, length
+            )
+            self.sequence.begin(kwargs, view)
         # Also ride along the forward's kwargs: activation checkpointing replays those, so a layer
         # recomputed in backward sees its own forward's context even if another forward ran since.
         if self._forward_takes_kwargs:
@@ -145,6 +155,11 @@ class SequenceParallelHandle:
                 "Sequence parallelism supports softmax attention and the linear-attention layers listed by "
                 "hf_longctx.attention.linear.support.ADAPTERS; train this model with sp_size=1."
             )
+
+    def _finish_sequence(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        # Forward hook (always called, `output` None after an exception): the router loss is completed here.
+        if self.sequence is not None:
+            self.sequence.finish(output)
 
     def _context_of(self, kwargs: dict[str, Any]) -> SequenceContext | None:
         # The forward's context, from the layer's kwargs (replayed by activation checkpointing) or the handle;
@@ -300,6 +315,10 @@ def enable_sequence_parallel(
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
         if context is None:  # single process, a forward left to the model (generation)
             return kernel(module, query, key_, value, attention_mask, **kwargs)
+        if groups.sp_enabled and scales_query_by_index(module):  # Llama 4's temperature, by index in the row
+            query = globally_scaled_query(
+                module, query, sp.layout, groups.sp_rank, groups.sp_world_size, context.position_ids.shape[1]
+            )
         if ring_attention_kwargs is not None:
             return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
         call = {"kernel": kernel, "kernel_name": kernel_name, "family": family, "context": context, "groups": groups}
@@ -321,6 +340,10 @@ def enable_sequence_parallel(
         hook = model.register_forward_pre_hook(handle._capture_positions, with_kwargs=True)
         handle._undo.append(hook.remove)
         hook = model.register_forward_hook(handle._check_layers, always_call=True)
+        handle._undo.append(hook.remove)
+        handle.sequence = SequenceOps(model, groups)
+        handle._undo.append(handle.sequence.remove)
+        hook = model.register_forward_hook(handle._finish_sequence, always_call=True)
         handle._undo.append(hook.remove)
         handle._undo.extend(install_vision_hooks(model, handle))
         patches = attach_linear_layers(model, groups, sp.layout, handle._context_of, handle._count_linear)

@@ -139,15 +139,18 @@ def shard_batch(
         The local shard: `input_ids`, `position_ids` (global), `shift_labels` (when labels were
         given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed. The
         token layout is the one the backend enabled on `groups` expects (`groups.layout`:
-        contiguous for Ulysses, zigzag for ring/hybrid), named under `LAYOUT_KEY` when SP is on.
+        contiguous for Ulysses, zigzag for ring/hybrid), named under `LAYOUT_KEY` when SP is on,
+        with the full batch's signature under `SIGNATURE_KEY` (the model's pre-hook pops both).
 
     Raises:
         ValueError: the ranks disagree on the batch, left padding, or a malformed batch.
     """
-    if check:
-        check_batch_consistency(batch, groups)
+    signature = batch_signature(batch)
+    if check and groups.sp_enabled:
+        _raise_on_mismatch(signature, _SIGNATURE_FIELDS, groups)
     layout = groups.layout
     shard = shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id, layout=layout)
     if groups.sp_enabled:
         shard[LAYOUT_KEY] = layout
+        shard[SIGNATURE_KEY] = signature  # the model's pre-hook checks it and reads the row length before padding
     return shard

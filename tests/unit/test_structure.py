@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hf_longctx.distributed",),  # process groups, collectives, the layout slot a group carries
     ("hf_longctx.data",),  # sharding, token layouts, collator, cross-rank input checks
     ("hf_longctx.multimodal",),  # the vision side of VLMs, on the data layer's shards
+    ("hf_longctx.sequence",),  # what a model computes over the whole sequence outside attention
     ("hf_longctx.attention",),  # SP attention and its registration
     ("hf_longctx.memory", "hf_longctx.loss"),  # memory flags and the SP loss, on top of attention
     ("hf_longctx.planner", "hf_longctx.check", "hf_longctx.integrations"),  # users of the model layers

@@ -8,8 +8,9 @@ points with explicit semantics, never a guess from the shape:
 
 - `gather_for_metrics` (what `accelerator.gather_for_metrics` becomes; TRL's metrics and user code
   call it): 0-d and 1-d tensors are per-rank partial sums (TRL's token counts, correct-token counts,
-  entropy sums) and are summed over the SP group; tensors with more dims must be identical on every
-  SP rank (checked; a ValueError names the problem otherwise) and are taken once.
+  entropy sums) and are summed over the SP group, except values hf_longctx marked as whole on every rank
+  (`sequence.mark_replicated`: the MoE router loss it returns), taken once; tensors with more dims must be
+  identical on every SP rank (checked; a ValueError names the problem otherwise) and are taken once.
 - `gather_replicated` (the Trainer's evaluation loop, after `prediction_step` has merged its loss,
   logits and labels over the SP group): every value is already the DP rank's value.
 """
@@ -23,6 +24,7 @@ import torch
 
 from hf_longctx.distributed.comm import all_gather_object, all_gather_stacked, all_reduce_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
+from hf_longctx.sequence.replicated import is_replicated
 
 
 def _apply(fn: Any, data: Any) -> Any:
@@ -49,6 +51,8 @@ def merge_sp_group(data: torch.Tensor, groups: SequenceParallelGroups) -> torch.
         ValueError: a tensor with 2+ dims differs across the SP group (e.g. computed from one rank's
             slice of the sequence), which has no rank-independent merge.
     """
+    if is_replicated(data):  # made whole on every SP rank by hf_longctx (the router loss it returns)
+        return data.detach().reshape(-1) if data.dim() == 0 else data.detach()
     data = data.detach()
     if data.dim() <= 1:
         return all_reduce_sum(data.reshape(-1) if data.dim() == 0 else data, groups.sp_group)

@@ -8,8 +8,9 @@ merged over the SP group, once per call however deep a subclass's `super()` chai
 trainer's accelerator carries hf_longctx SP; otherwise it calls the original.
 
 `prepare_trainer` runs at the start of `train()` and of every evaluation: it refuses settings that
-would silently give wrong numbers and swaps Trainer's label smoother for one that takes the labels
-as hf_longctx delivers them (already shifted on the full sequence).
+would silently give wrong numbers, swaps Trainer's label smoother for one that takes the labels
+as hf_longctx delivers them (already shifted on the full sequence) and its NEFTune hook for one scaled
+by the whole sequence's length.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 from hf_longctx._patching import Patch
 from hf_longctx.distributed.failures import apply_timeout
 from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_num_items, replicated_prediction
+from hf_longctx.integrations.trainer.neftune import use_sp_neftune
 from hf_longctx.integrations.trainer.resume import remove_resume_patch, track_layout
 from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
 
@@ -76,6 +78,7 @@ def prepare_trainer(trainer: Any, state: SequenceParallelState) -> None:
             "cannot be token-weighted across SP ranks; pass compute_loss_func (see hf_longctx.takes_shifted_labels)."
         )
     track_layout(trainer, state.undo)
+    use_sp_neftune(trainer, state)
     if args.ddp_timeout != type(args).__dataclass_fields__["ddp_timeout"].default:
         # transformers passes ddp_timeout to init_process_group, but not with use_cpu=True (gloo) nor to a
         # process group that already exists: apply a ddp_timeout the user chose to every group the job uses.

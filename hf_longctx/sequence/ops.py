@@ -1,0 +1,76 @@
+"""`SequenceOps`: what one SP-enabled model computes over the whole sequence outside attention, kept exact.
+
+The SP handle (`attention/registry.py`) creates one per model and calls `begin` from its forward pre-hook (with
+the forward's `ShardView`) and `finish` from a forward hook. It owns the router loss (`router_loss.py`), the
+run-time RoPE patches (`rope.py`) and the NEFTune hook the Trainer integration installs (`neftune.py`); Llama 4's
+query temperature is applied by the attention function itself (`temperature.py`). What else a model computes over
+the sequence, and which of it is exact as is, is listed in docs/sequence-ops.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hf_longctx.distributed.groups import SequenceParallelGroups
+from hf_longctx.sequence.neftune import neftune_hook
+from hf_longctx.sequence.rope import patch_runtime_rope
+from hf_longctx.sequence.router_loss import RouterLoss
+from hf_longctx.sequence.view import ShardView
+
+
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    # A PEFT model runs the transformers model it wraps with the same keyword arguments.
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def token_weights(kwargs: dict[str, Any], view: ShardView) -> torch.Tensor:
+    """`[bs * sl_l]` 1.0 for every token of the shard a run without SP counts, 0.0 for padding (the attention mask
+    where one is given, as transformers' router loss reads it, and always the SP padding)."""
+    ids = kwargs.get("input_ids")
+    ids = kwargs.get("inputs_embeds") if ids is None else ids
+    bs, sl = ids.shape[0], ids.shape[1]
+    weights = view.real_tokens().to(ids.device, torch.float32).expand(bs, sl)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tuple(mask.shape) == (bs, sl):
+        weights = weights * mask.to(weights)
+    return weights.reshape(-1)
+
+
+class SequenceOps:
+    """Installed on one model with its SP handle, removed with it (`remove`)."""
+
+    def __init__(self, model: torch.nn.Module, groups: SequenceParallelGroups) -> None:
+        self.groups = groups
+        self.view: ShardView | None = None  # the forward in progress
+        base = _transformers_model(model)
+        self.router = RouterLoss.attach(base)
+        # With one rank the rotary module sees the whole sequence already.
+        self.rope = patch_runtime_rope(base, lambda: self.view, groups) if groups.sp_enabled else []
+
+    def begin(self, kwargs: dict[str, Any], view: ShardView) -> None:
+        """At a forward's start (after the SP input checks): record its view, take over what needs it."""
+        self.view = view
+        if self.router is not None:
+            self.router.begin(kwargs, token_weights(kwargs, view))
+
+    def finish(self, output: Any) -> None:
+        """At a forward's end (also after an exception: `output` None)."""
+        self.view = None
+        if self.router is not None:
+            if output is None:
+                self.router.stats = None
+            else:
+                self.router.finish(output, self.groups)
+
+    def neftune_hook(self) -> Any:
+        """A NEFTune forward hook for the input embeddings that scales by the whole row's length."""
+        return neftune_hook(lambda: self.view)
+
+    def remove(self) -> None:
+        if self.router is not None:
+            self.router.remove()
+        for patch in self.rope:
+            patch.remove()
+        self.rope.clear()
