@@ -45,6 +45,7 @@ from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.distributed.ring_comm import ring_of
 from hf_longctx.multimodal.vision import install_vision_hooks
 from hf_longctx.sequence import SequenceOps, ShardView
+from hf_longctx.sequence.refusals import check_sequence_ops
 from hf_longctx.sequence.temperature import globally_scaled_query, scales_query_by_index
 
 logger = logging.getLogger(__name__)
@@ -207,8 +208,9 @@ def check_model(
     Raises:
         ValueError: unknown backend or options, an unsupported attention implementation, head
             counts incompatible with the backend and `sp_size`, ring attention with soft-capping or
-            sinks, `ulysses_head_chunks` that do not split the local heads, token mixing outside attention, or
-            attention that is not causal within documents (`attention/semantics.py`).
+            sinks, `ulysses_head_chunks` that do not split the local heads, token mixing outside attention,
+            attention that is not causal within documents (`attention/semantics.py`), or a computation over the
+            whole sequence SP cannot reproduce (`sequence/refusals.py`).
     """
     _compat.check_versions()
     check_chunks_backend(ulysses_head_chunks, backend)
@@ -233,6 +235,7 @@ def check_model(
         check_head_chunks(num_heads, num_kv_heads, sp_size, ulysses_head_chunks)
     check_token_mixers(model, sp_size)
     check_attention_semantics(model)
+    check_sequence_ops(model, sp_size)
     return sp
 
 

@@ -28,7 +28,12 @@ def attention_semantics_refusal(model: torch.nn.Module) -> str | None:
         if getattr(config, flag, False):
             return f"its config sets {flag}={getattr(config, flag)!r} (attention that is not causal)"
     for kind in getattr(config, "layer_types", None) or []:
-        if isinstance(kind, str) and kind.endswith("attention") and kind not in SERVED_LAYER_TYPES:
+        # "sparse" names indexer layers too (MiniMax-M3's "minimax_m3_sparse": a top-k of the keys).
+        if (
+            isinstance(kind, str)
+            and (kind.endswith("attention") or "sparse" in kind)
+            and kind not in SERVED_LAYER_TYPES
+        ):
             if "linear" not in kind:  # linear attention: `check_token_mixers` decides
                 return f"a layer of type {kind!r} (hf_longctx serves {', '.join(SERVED_LAYER_TYPES)})"
     for name, module in _decoder(model).named_modules():

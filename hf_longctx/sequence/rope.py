@@ -14,6 +14,7 @@ without SP and computes the shard's cos/sin with the frequencies of the whole se
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -34,13 +35,25 @@ def _decorated_code() -> Any:
     return dynamic_rope_update(lambda self, x, position_ids: None).__code__
 
 
+@functools.cache
+def _reads_largest_position(forward: Any) -> bool:
+    # PhiMoE's rotary forward also picks its mscale from `torch.max(position_ids) + 1` itself.
+    try:
+        return "max(position_ids)" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+
+
 def runtime_rope_types(module: torch.nn.Module) -> list[str]:
-    """The rope types of `module` that read the sequence at run time (empty: none, or not a decorated rotary)."""
-    if getattr(type(module).forward, "__code__", None) is not _decorated_code():
+    """What of `module`'s RoPE reads the sequence at run time: its dynamic / longrope types, and "max(position_ids)"
+    when its own forward reads it (empty: nothing, or not one of transformers' decorated rotary modules)."""
+    forward = type(module).forward
+    if getattr(forward, "__code__", None) is not _decorated_code():
         return []
     kinds = getattr(module, "rope_type", None)
     kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
-    return [k for k in kinds if isinstance(k, str) and ("dynamic" in k or k == "longrope")]
+    found = [k for k in kinds if isinstance(k, str) and ("dynamic" in k or k == "longrope")]
+    return found + (["max(position_ids)"] if _reads_largest_position(inspect.unwrap(forward)) else [])
 
 
 def _with_global_length(
