@@ -26,6 +26,7 @@ DPO_KEYS = (
     "logits/rejected",
     "mean_token_accuracy",
     "num_tokens",
+    "aux_loss",  # logged only with the MoE router loss on
 )
 BETA = 0.5
 PATCHED = ("_compute_loss", "compute_ref_log_probs")  # the DPOTrainer methods hf_longctx replaces on the instance
@@ -118,21 +119,29 @@ def run_dpo(
     evaluate: bool = False,
     sp_options: dict | None = None,
     shape: dict[str, int] | None = None,
+    arch: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Train the tiny llama with TRL's DPOTrainer (SGD, no clipping); per-step logs, eval metrics, trained weights.
 
     reference: "model" (a separate reference model, other weights), "peft" (LoRA via `peft_config`: the
     reference is the policy with its adapter disabled, no copy) or "precompute" (LoRA, reference log-probs
-    precomputed by TRL before training). shape: `tiny_model` head/hidden sizes for both models.
+    precomputed by TRL before training). shape: `tiny_model` head/hidden sizes for both models. arch: another tiny
+    model for both (`tests._sequence_models.sequence_model`, e.g. "moe:qwen3_moe" with its router loss on).
     """
     from trl import DPOTrainer
 
+    from tests._sequence_models import sequence_model
+
     data_dir = os.path.dirname(out_dir)
     shape = shape or {}
-    kwargs: dict[str, Any] = {"model": tiny_model("llama", **shape)}
+
+    def build(seed: int) -> torch.nn.Module:
+        return sequence_model(arch, seed=seed) if arch else tiny_model("llama", seed=seed, **shape)
+
+    kwargs: dict[str, Any] = {"model": build(0)}
     if reference == "model":
-        kwargs["ref_model"] = tiny_model("llama", seed=1, **shape)
+        kwargs["ref_model"] = build(1)
     else:
         kwargs["peft_config"] = _lora()
     args = dpo_config(

@@ -15,7 +15,8 @@ from typing import Any
 from tests.dist._grpo_jobs import _trainer, id_reward, toy_reward
 
 # Each run: GRPOConfig overrides, plus "sp_backend" (the SP side's backend), "model": "lora" (the tiny Llama with
-# LoRA adapters; its reference is the adapter disabled), "rewards": "two" (two reward functions).
+# LoRA adapters; its reference is the adapter disabled) or "moe" (a tiny Qwen3-MoE), "rewards": "two" (two reward
+# functions).
 RUNS: dict[str, dict[str, Any]] = {
     # steps_per_generation = 2 by default: one generation per optimizer step, split over 2 micro-steps.
     "accumulation": {"gradient_accumulation_steps": 2, "max_steps": 2},
@@ -27,6 +28,8 @@ RUNS: dict[str, dict[str, Any]] = {
     "batch_statistics": {"scale_rewards": "batch", "top_entropy_quantile": 0.5, "rewards": "two", "max_steps": 2},
     "ring": {"sp_backend": "ring", "num_iterations": 2, "max_steps": 2},
     "lora": {"model": "lora", "beta": 0.1, "max_steps": 2},
+    # A Qwen3-MoE with its router loss on (coefficient 0.3): TRL adds the chunks' mean router loss to the loss.
+    "moe": {"model": "moe", "max_steps": 2},
 }
 # DP=2: one prompt's 2 generations are split over the 2 DP ranks (per_device_train_batch_size=1), and the rewards
 # of two functions are normalised over the batch before they are summed.
@@ -68,6 +71,10 @@ def _train(out_dir: str, sp: int, spec: dict[str, Any]) -> dict[str, Any]:
         from tests.dist._trl_jobs import lora_model
 
         model = lora_model()
+    elif model == "moe":
+        from tests._sequence_models import sequence_model
+
+        model = sequence_model("moe:qwen3_moe")
     rewards = [toy_reward, id_reward] if spec.pop("rewards", None) == "two" else id_reward
     trainer = _trainer(
         out_dir,

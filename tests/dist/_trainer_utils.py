@@ -183,6 +183,8 @@ def run_trainer(
     gradient_checkpointing: bool = False,
     sp_options: dict | None = None,
     flags: dict[str, Any] | None = None,
+    model_kind: str = "llama",
+    zero: int | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
@@ -194,16 +196,17 @@ def run_trainer(
     whole logits instead). `fsdp2` goes through accelerate's own FSDP2 route (`fully_shard` per decoder
     layer), which accelerate enables only on GPUs; `accelerate_fsdp_on_cpu` lifts that for the test.
     `sp_options`: more `ParallelismConfig` fields (sp_backend, ulysses_degree, ring_variant, ...);
-    `flags`: hf_longctx memory flags (`tiled_loss`, ...), applied at SP=1 too.
+    `flags`: hf_longctx memory flags (`tiled_loss`, ...), applied at SP=1 too. `model_kind`: another tiny model
+    (`tests._sequence_models.sequence_model`, e.g. "moe:qwen3_moe"); `zero`: a DeepSpeed ZeRO stage.
     """
     from transformers import Trainer, TrainingArguments
 
-    model = tiny_model("llama")
+    model = _model(model_kind)
     forwards = ForwardRecorder(model)
     collator = RecordingCollator()
     args = TrainingArguments(
         output_dir=out_dir,
-        use_cpu=True,
+        **_engine_args(zero),
         report_to=[],
         disable_tqdm=True,
         seed=1,
@@ -256,7 +259,7 @@ def run_trainer(
         else:
             result["predict"]["first_tokens"] = out.predictions[0].tolist()
             result["predict"]["mean_logit"] = out.predictions[1].tolist()
-    result["memory"] = memory_flags_active(model)
+    result["memory"] = memory_flags_active(model) if model_kind == "llama" else {}
     # detach() gives the model back for single-process use: its own attention, no pre-hook.
     hf_longctx.integrations.trainer.detach(trainer)
     result["attn_after_detach"] = model.config._attn_implementation
@@ -268,6 +271,20 @@ def run_trainer(
         k in vars(trainer.accelerator) for k in ("prepare", "prepare_data_loader", "gather_for_metrics")
     )
     return result
+
+
+def _model(kind: str) -> torch.nn.Module:
+    if kind == "llama":
+        return tiny_model("llama")
+    from tests._sequence_models import sequence_model
+
+    return sequence_model(kind)
+
+
+def _engine_args(zero: int | None) -> dict[str, Any]:
+    from tests.dist._trl_jobs import _zero3_args
+
+    return _zero3_args(zero)
 
 
 FSDP2_ARGS = {
@@ -412,7 +429,7 @@ def trainer_worker(
 
 # ---- SFTTrainer runs -----------------------------------------------------------------------------
 
-SFT_KEYS = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens", "entropy")
+SFT_KEYS = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens", "entropy", "aux_loss")
 
 
 def run_sft(
@@ -428,6 +445,8 @@ def run_sft(
     epochs: float | None = None,
     sp_options: dict | None = None,
     flags: dict[str, Any] | None = None,
+    model_kind: str = "llama",
+    zero: int | None = None,
 ) -> dict[str, Any]:
     """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
 
@@ -435,20 +454,20 @@ def run_sft(
     packed documents apart by construction: the packing reference. (transformers 5.24 sdpa also keeps
     them apart, but only when no attention_mask is passed and no cache exists: `create_causal_mask` detects
     packing from position_ids only then.)
-    `eval_data` maps a name to an eval set, each evaluated after training. `sp_options`, `flags`: see
-    `run_trainer`.
+    `eval_data` maps a name to an eval set, each evaluated after training. `sp_options`, `flags`, `model_kind`,
+    `zero`: see `run_trainer`.
     """
     from trl import SFTConfig, SFTTrainer
 
     import hf_longctx
 
-    model = tiny_model("llama")
+    model = _model(model_kind)
     if doc_exact:
         hf_longctx.enable_sequence_parallel(model, hf_longctx.SequenceParallelGroups.single())
     forwards = ForwardRecorder(model)
     args = SFTConfig(
         output_dir=out_dir,
-        use_cpu=True,
+        **_engine_args(zero),
         report_to=[],
         disable_tqdm=True,
         seed=1,
@@ -481,7 +500,7 @@ def run_sft(
         "logs": _logs(trainer, SFT_KEYS),
         "global_step": trainer.state.global_step,
         "attn": model.config._attn_implementation,
-        "memory": memory_flags_active(model),
+        "memory": memory_flags_active(model) if model_kind == "llama" else {},
         **forwards.take(),
     }
     # One evaluate() per set: TRL logs its own eval metrics without the set's name.

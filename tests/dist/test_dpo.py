@@ -52,6 +52,8 @@ CONFIGS = {
         "f_alpha_divergence_coef": 0.5,
         "loss_type": ["sigmoid", "ipo"],
     },
+    # A Qwen3-MoE policy and reference with the router loss on (coefficient 0.3): TRL adds it to the DPO loss.
+    "moe": {"arch": "moe:qwen3_moe", "steps": 3},
     # DeepSpeed ZeRO-3: TRL prepares the reference model itself (not through accelerate's prepare), so SP reaches
     # it at its first forward; the forward-KL f-divergence. Last: it leaves accelerate's state set for DeepSpeed.
     "zero3": {"zero": 3, "steps": 2, "f_divergence_type": "forward_kl"},
@@ -143,6 +145,7 @@ def test_dpo_sp2_matches_single_process(name, out_root, record_property):
             assert diff <= RTOL, f"{param}: rel {diff:.2e}"
             worst["weights"] = max(worst.get("weights", 0.0), diff)
     assert {"loss", "grad_norm", "rewards_abs", "logps/chosen", "entropy"} <= set(worst)
+    assert ("aux_loss" in worst) == ("arch" in CONFIGS[name])  # the router loss was compared, where it is on
     if name == "ref_model":
         assert "eval_loss" in ref["eval"] and "eval_rewards/chosen" in ref["eval"]
     record_property("max_rel_diff", worst)

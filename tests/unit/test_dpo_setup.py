@@ -84,9 +84,8 @@ def test_refused_settings_are_named(overrides, named):
         dpo.check_dpo_settings(_trainer(**overrides))
 
 
-def test_moe_router_aux_loss_is_refused():
+def test_moe_router_aux_loss_is_served():
+    """The router loss is computed exactly under SP now (tests/dist/test_dpo.py compares it with TRL's own run)."""
     moe = SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.01)
     model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: moe))
-    with pytest.raises(UnsupportedSetup, match="router aux loss.*router_aux_loss_coef=0.0"):
-        dpo.check_dpo_settings(_trainer(model=model))
-    dpo.check_dpo_settings(_trainer(model=model, args=SimpleNamespace(router_aux_loss_coef=0.0)))
+    dpo.check_dpo_settings(_trainer(model=model))

@@ -52,7 +52,7 @@ def merge_sp_group(data: torch.Tensor, groups: SequenceParallelGroups) -> torch.
             slice of the sequence), which has no rank-independent merge.
     """
     if is_replicated(data):  # made whole on every SP rank by hf_longctx (the router loss it returns)
-        return data.detach().reshape(-1) if data.dim() == 0 else data.detach()
+        return data.detach()
     data = data.detach()
     if data.dim() <= 1:
         return all_reduce_sum(data.reshape(-1) if data.dim() == 0 else data, groups.sp_group)
@@ -69,6 +69,7 @@ def merge_sp_group(data: torch.Tensor, groups: SequenceParallelGroups) -> torch.
 
 
 def _gather_dp(data: torch.Tensor, groups: SequenceParallelGroups) -> torch.Tensor:
+    data = data.reshape(1) if data.dim() == 0 else data  # accelerate gathers a scalar into one value per rank
     return torch.cat(all_gather_stacked(data, groups.dp_group).unbind(0), dim=0)
 
 

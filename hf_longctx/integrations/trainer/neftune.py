@@ -32,12 +32,8 @@ def use_sp_neftune(trainer: Any, state: SequenceParallelState) -> None:
     if getattr(trainer, _SWAPPED_ATTR, None) == hook.id:
         return
     model = _unwrap(trainer.accelerator.unwrap_model(trainer.model))
-    handle = next((h for h in state.handles if getattr(h, "model", None) is model), None)
-    if handle is None or getattr(handle, "sequence", None) is None:
-        raise ValueError(
-            "NEFTune (neftune_noise_alpha) under sequence parallelism needs the model hf_longctx prepared; "
-            "its noise scale reads the whole sequence's length."
-        )
+    state.enable(model)  # as `prepare` will (idempotent): the hook reads the SP handle's view of each forward
+    handle = next(h for h in state.handles if getattr(h, "model", None) is model)
     hook.remove()
     trainer.neftune_hook_handle = _embeddings(model).register_forward_hook(handle.sequence.neftune_hook())
     setattr(trainer, _SWAPPED_ATTR, trainer.neftune_hook_handle.id)

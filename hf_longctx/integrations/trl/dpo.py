@@ -15,8 +15,9 @@ Trainer count `num_items_in_batch` and change its gradient-accumulation scaling.
 log-probs come from a separate reference model, from the PEFT policy with its adapter disabled (or
 TRL's "ref" adapter), or precomputed by TRL; every reference forward runs on the same shard through the
 same SP path. The losses (every TRL 1.16 `loss_type`, the f-divergences, WPO weighting) are computed
-from the reduced per-row values in `dpo_losses.py`; what is not (`ld_alpha`, vision-language models, the
-MoE aux loss) is refused at construction, by name (`check_dpo_settings`). TRL 1.16 itself turns
+from the reduced per-row values in `dpo_losses.py`, and TRL's MoE router loss from the policy forward
+(`hf_longctx.sequence`); what is not (`ld_alpha`, vision-language models) is refused at construction, by name
+(`check_dpo_settings`). TRL 1.16 itself turns
 `padding_free` off, so there is no packed DPO to support.
 """
 
@@ -72,13 +73,6 @@ def check_dpo_settings(trainer: Any) -> None:
         "ld_alpha": (trainer.ld_alpha is not None, "ld_alpha=None"),
         "a vision dataset or processor": (trainer._is_vision_dataset or trainer._is_vlm, "a text-only model"),
     }
-    text_config = trainer.model.config.get_text_config()
-    coef = trainer.args.router_aux_loss_coef
-    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-    refused["the MoE router aux loss"] = (
-        hasattr(text_config, "output_router_logits") and coef != 0.0,
-        "router_aux_loss_coef=0.0",
-    )
     for option, (bad, works) in refused.items():
         if bad:
             raise UnsupportedSetup(f"{option} has no exact SP path in hf_longctx (works under SP: {works})")
@@ -101,8 +95,9 @@ def _with_targets(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], 
     return collate_with_targets
 
 
-def row_sums(state: SequenceParallelState, model: Any, inputs: dict[str, Any]) -> RowSums:
-    """Run `model` on the shard with the fused LM head and reduce each row's sums over the SP group."""
+def row_sums(state: SequenceParallelState, model: Any, inputs: dict[str, Any], aux: bool = False) -> RowSums:
+    """Run `model` on the shard with the fused LM head and reduce each row's sums over the SP group; with `aux` the
+    forward also computes the MoE router loss (`outputs.aux_loss`, whole on every SP rank)."""
     # A reference TRL prepared itself (DeepSpeed, FSDP) or a policy not prepared yet (TRL's precompute) gets SP
     # attention before its first sharded forward (idempotent; `enable_sequence_parallel` validates the model).
     state.enable(model)
@@ -110,6 +105,8 @@ def row_sums(state: SequenceParallelState, model: Any, inputs: dict[str, Any]) -
     # The SP padding (attention 0) carries target 0 from the sharding's fill: it scores nothing.
     targets = inputs[TARGETS_KEY].masked_fill(inputs["attention_mask"] == 0, IGNORE_INDEX)
     kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+    if aux:
+        kwargs["output_router_logits"] = True  # as TRL asks for the policy forward
     outputs = model(**kwargs, shift_labels=targets, fused_lm_head=True, use_cache=False)
     mask = targets != IGNORE_INDEX
     logps = group_sum(outputs.log_probs.sum(dim=1), groups.sp_group, groups.sp_world_size)
@@ -179,7 +176,7 @@ def _wpo_weights(state: SequenceParallelState, policy: RowSums) -> torch.Tensor:
 def _make_compute_loss(trainer: Any, state: SequenceParallelState):
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def _compute_loss(model, inputs, return_outputs):
-            policy = row_sums(state, model, inputs)
+            policy = row_sums(state, model, inputs, aux=trainer.aux_loss_enabled)
             if trainer.precompute_ref_logps:
                 ref = (inputs["ref_chosen_logps"], inputs["ref_rejected_logps"])
             else:
@@ -201,6 +198,11 @@ def _make_compute_loss(trainer: Any, state: SequenceParallelState):
                 loss = loss + (losses[loss_type]() * weight).mean() * loss_weight
             ratios = (pairs.chosen - pairs.ref_chosen, pairs.rejected - pairs.ref_rejected)
             _log_metrics(trainer, inputs, policy, ratios, (pairs.chosen, pairs.rejected))
+            if trainer.aux_loss_enabled:  # TRL: loss + coef * aux_loss, logged as the mean over processes
+                aux = policy.outputs.aux_loss
+                loss = loss + trainer.router_aux_loss_coef * aux
+                mode = "train" if trainer.model.training else "eval"
+                trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux).mean().item())
             if not return_outputs:
                 return loss
             with torch.no_grad():  # evaluation's logits (TRL recomputes them too); merged over SP by prediction_step

@@ -21,6 +21,7 @@ from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.comm import all_gather_sequence
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.integrations.trainer.state import SequenceParallelState, _unwrap
+from hf_longctx.sequence.replicated import mark_replicated
 
 # `_get_per_token_logps_and_entropies` keyword inputs of vision-language models: not sharded here.
 _MULTIMODAL = (
@@ -62,9 +63,15 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def _sharded_logps(
-    state: SequenceParallelState, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of the completion, `[B, keep]`, from a sharded forward.
+    state: SequenceParallelState,
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep: int,
+    aux: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the completion, `[B, keep]`, from a sharded forward, and with `aux`
+    the MoE router loss of the rows (whole on every SP rank, `hf_longctx.sequence.router_loss`).
 
     TRL's rows are left-padded prompts followed by right-padded completions; SP attention is causal
     over global positions and needs right padding, so each row is rotated to start at its first real
@@ -85,7 +92,7 @@ def _sharded_logps(
         "labels": labels.gather(1, rotate),
     }
     shard = shard_batch(batch, groups, pad_token_id=0)
-    outputs = model(**shard, fused_lm_head=True)
+    outputs = model(**shard, fused_lm_head=True, **({"output_router_logits": True} if aux else {}))
     # The rotation wraps left padding to the end; its (ignored) labels make those values 0.
     back = (steps - left) % sl
 
@@ -95,7 +102,7 @@ def _sharded_logps(
         return gathered.gather(1, back)[:, sl - 1 - keep : sl - 1]
 
     entropy = outputs.entropy
-    return full(outputs.log_probs), None if entropy is None else full(entropy)
+    return full(outputs.log_probs), None if entropy is None else full(entropy), outputs.aux_loss if aux else None
 
 
 def make_logps(trainer: Any, state: SequenceParallelState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -108,22 +115,28 @@ def make_logps(trainer: Any, state: SequenceParallelState) -> Callable[[Callable
         ):
             if getattr(_unwrap(model), _HANDLE_ATTR, None) is None:
                 return original(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **kwargs)
-            given = [k for k in (*_MULTIMODAL, "compute_aux_loss") if kwargs.get(k) not in (None, False)]
+            given = [k for k in _MULTIMODAL if kwargs.get(k) is not None]
             if given:
                 raise ValueError(
-                    f"GRPOTrainer under SP shards text-only policy forwards; got {given} (vision inputs or the MoE "
-                    "aux loss): train this model with sp_size=1."
+                    f"GRPOTrainer under SP shards text-only policy forwards; got vision inputs {given}: train this "
+                    "model with sp_size=1."
                 )
+            aux = bool(kwargs.get("compute_aux_loss"))
             batch_size = batch_size or input_ids.size(0)
-            logps, entropies = [], []
+            logps, entropies, aux_losses = [], [], []
             for start in range(0, input_ids.size(0), batch_size):
                 rows = slice(start, start + batch_size)
                 with trainer.accelerator.autocast():
-                    lp, ent = _sharded_logps(state, model, input_ids[rows], attention_mask[rows], logits_to_keep)
+                    lp, ent, al = _sharded_logps(
+                        state, model, input_ids[rows], attention_mask[rows], logits_to_keep, aux
+                    )
                 logps.append(lp)
                 entropies.append(ent)
+                aux_losses.append(al)
             entropy = torch.cat(entropies, dim=0) if compute_entropy else None
-            return torch.cat(logps, dim=0), entropy, None
+            # TRL averages the chunks' router losses; each is whole on every SP rank, so is their mean.
+            aux_loss = mark_replicated(torch.stack(aux_losses).mean()) if aux else None
+            return torch.cat(logps, dim=0), entropy, aux_loss
 
         return get_per_token_logps_and_entropies
 
