@@ -100,8 +100,13 @@ PLANS = {
             "neftune": True,
         },
     ),
-    "sp4": (4, {"trainer": {"moe": {**TRAINER["moe"], "sp": 4}, "dpsp_moe": {**TRAINER["moe"], "sp": 2}},
-                "sft": {"moe": {**SFT["moe"], "sp": 4}}}),  # fmt: skip
+    "sp4": (
+        4,
+        {
+            "trainer": {"moe": {**TRAINER["moe"], "sp": 4}, "dpsp_moe": {**TRAINER["moe"], "sp": 2}},
+            "sft": {"moe": {**SFT["moe"], "sp": 4}},
+        },
+    ),  # fmt: skip
     # DeepSpeed ZeRO-3 (one engine per process: accelerate keeps its DeepSpeed state), SP=2.
     "zero3": (2, {"trainer": {"moe": {**TRAINER["moe"], "sp": 2, "zero": 3}}}),
     "zero3_sft": (2, {"sft": {"moe": {**SFT["moe"], "sp": 2, "zero": 3}}}),
