@@ -125,7 +125,7 @@ class SequenceParallelHandle:
         self.attention_calls = self.linear_calls = 0
         gathered = all_gather_sequence(position_ids.long(), self.groups.sp_group)
         self.context = SequenceContext(to_global_order(gathered, self.backend.layout, self.groups.sp_world_size))
-        if self.sequence is not None:
+        if self.sequence is not None and self.sequence.needs_view:
             length = int(signature[2]) if signature is not None else None  # the row before SP padding
             groups = self.groups
             view = ShardView.build(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hf_longctx.check import vlm
+from hf_longctx.check.sequence import reference_router_term, router_term, switch_on_sequence_ops
 
 MAX_VOCAB = 512
 SEED = 0
@@ -149,6 +150,7 @@ def shrink_config(config: Any, *, layers: int, hidden: int, min_positions: int, 
         if random_in_training and isinstance(value, float) and value != 0.0:
             setattr(text, key, 0.0)
             notes.append(f"{key} {value} -> 0")
+    notes += switch_on_sequence_ops(text, min_positions)
     if vlm.is_vision_language(config):
         notes += vlm.shrink_vision(config, layers)
     text.use_cache = False
@@ -229,13 +231,15 @@ def check_batch(model: torch.nn.Module, seq_len: int, batch_size: int, packed: b
 
 
 def step(model: torch.nn.Module, shard: dict[str, Any], groups: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward, SP loss and backward on one shard; returns the loss and this rank's gradients."""
+    """Forward, SP loss (token loss and router loss) and backward on one shard; returns the loss and this rank's
+    gradients."""
     from hf_longctx.loss import sequence_parallel_loss
 
     model.zero_grad(set_to_none=True)
     shift_labels = shard.pop("shift_labels")
-    logits = model(**shard).logits
-    loss = sequence_parallel_loss(logits, shift_labels, groups)
+    output = model(**shard)
+    # The router loss comes whole on every SP rank, as the token loss from `sequence_parallel_loss`.
+    loss = sequence_parallel_loss(output.logits, shift_labels, groups) + router_term(model, output)
     loss.backward()
     return loss.detach(), take_grads(model)
 
@@ -265,9 +269,9 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     full = shard_batch_for_rank(batch, 0, 1)
     if vlm.is_vision_language(model.config):
         model.zero_grad(set_to_none=True)
-        loss = sequence_parallel_loss(
-            vlm.reference_logits(model, batch), full["shift_labels"], SequenceParallelGroups.single()
-        )
+        output = vlm.reference_output(model, batch)
+        loss = sequence_parallel_loss(output.logits, full["shift_labels"], SequenceParallelGroups.single())
+        loss = loss + router_term(model, output)
         loss.backward()
         return StepResult(loss.item(), take_grads(model), weights_sha256(model))
     ids, pos, shift_labels = full["input_ids"], full["position_ids"], full["shift_labels"]
@@ -277,8 +281,10 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     bounds = [*torch.nonzero(starts[0]).flatten().tolist(), ids.shape[1]]
     model.zero_grad(set_to_none=True)
     segments = zip(bounds[:-1], bounds[1:], strict=True)
-    logits = torch.cat([model(input_ids=ids[:, s:e], position_ids=pos[:, s:e]).logits for s, e in segments], dim=1)
+    outputs = [model(input_ids=ids[:, s:e], position_ids=pos[:, s:e]) for s, e in segments]
+    logits = torch.cat([output.logits for output in outputs], dim=1)
     loss = sequence_parallel_loss(logits, shift_labels, SequenceParallelGroups.single())
+    loss = loss + reference_router_term(model, outputs)
     loss.backward()
     return StepResult(loss.item(), take_grads(model), weights_sha256(model))
 

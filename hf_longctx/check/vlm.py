@@ -200,6 +200,6 @@ def _pixels(vision: Any, llava: bool, images: int, gen: torch.Generator) -> dict
     return {"pixel_values": pixels, "image_grid_thw": torch.tensor([grid] * images)}
 
 
-def reference_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def reference_output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     """The plain model on the unpadded rows: it places the images and computes its own mRoPE positions."""
-    return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    return model(**{k: v for k, v in batch.items() if k != "labels"})

@@ -44,10 +44,17 @@ class SequenceOps:
     def __init__(self, model: torch.nn.Module, groups: SequenceParallelGroups) -> None:
         self.groups = groups
         self.view: ShardView | None = None  # the forward in progress
+        self.neftune = False  # a NEFTune hook reads the view
         base = _transformers_model(model)
         self.router = RouterLoss.attach(base)
         # With one rank the rotary module sees the whole sequence already.
         self.rope = patch_runtime_rope(base, lambda: self.view, groups) if groups.sp_enabled else []
+
+    @property
+    def needs_view(self) -> bool:
+        """Whether anything installed reads the forward's view (else the pre-hook builds none: under
+        `torch.compile` reading the row length is a graph break)."""
+        return self.router is not None or bool(self.rope) or self.neftune
 
     def begin(self, kwargs: dict[str, Any], view: ShardView) -> None:
         """At a forward's start (after the SP input checks): record its view, take over what needs it."""
@@ -66,6 +73,7 @@ class SequenceOps:
 
     def neftune_hook(self) -> Any:
         """A NEFTune forward hook for the input embeddings that scales by the whole row's length."""
+        self.neftune = True
         return neftune_hook(lambda: self.view)
 
     def remove(self) -> None:

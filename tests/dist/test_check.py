@@ -103,6 +103,46 @@ def vlm_config(model_type: str):
     return transformers.AutoConfig.for_model(model_type, text_config=text)
 
 
+def sequence_ops_config(kind: str):
+    """Configs as shipped with a whole-sequence computation: a Qwen3-MoE (its router loss off, as in its default
+    config: the check turns it on), a Llama with dynamic RoPE, a Qwen3-VL-MoE (router loss, DeepStack, mRoPE)."""
+    from transformers import Qwen3MoeConfig
+
+    if kind == "qwen3_moe":
+        shape = llama_config().to_dict()
+        keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim")  # fmt: skip
+        return Qwen3MoeConfig(**{k: shape[k] for k in keep}, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, router_aux_loss_coef=0.05)  # fmt: skip
+    if kind == "dynamic":
+        return llama_config(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    mrope = {"mrope_section": [2, 3, 3], "rope_type": "default", "mrope_interleaved": True}
+    text = {**llama_config(num_hidden_layers=2).to_dict(), "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "router_aux_loss_coef": 0.05, "rope_scaling": mrope}  # fmt: skip
+    for key in ("model_type", "architectures", "transformers_version", "eos_token_id"):
+        text.pop(key, None)
+    return transformers.AutoConfig.for_model("qwen3_vl_moe", text_config=text)
+
+
+@pytest.mark.parametrize(
+    ("kind", "note"),
+    [
+        ("qwen3_moe", "output_router_logits False -> True"),
+        ("dynamic", "dynamic RoPE: native positions"),
+        pytest.param("qwen3_vl_moe", "output_router_logits False -> True", marks=pytest.mark.slow),
+    ],
+)
+def test_router_loss_and_runtime_rope_are_checked(tmp_path, capsys, kind, note):
+    """The whole loss (token + router loss) is compared, and dynamic RoPE runs past its native length: both
+    printed PASS before hf_longctx.sequence although SP was off by 8e-4 (loss) and 0.7 (gradients)."""
+    extra = ["--batch-size", "2"] if kind == "qwen3_vl_moe" else []
+    folder = write_config(tmp_path, sequence_ops_config(kind))
+    code, out = run_check(capsys, "--model", str(folder), "--sp", "2", *extra)
+    assert code == 0, out
+    assert note in out, out
+    assert out.strip().splitlines()[-1].startswith("PASS: SP=2 matches SP=1 for "), out
+
+
 @pytest.mark.parametrize(("model_type", "sp"), [("qwen2_5_vl", 2), ("qwen3_vl", 4), ("llava", 2)])
 def test_vision_language_passes(tmp_path, capsys, model_type, sp):
     """Images straddling the shard boundaries, a row without images; the vision tower's gradients compared too."""
