@@ -18,7 +18,9 @@
   config fields), random init; `dtype` "fp32" or "bf16", `attn`, `device` "cpu" or "cuda", `threads`;
 - `steps` (optimizer steps, `warmup` of them unmeasured by the readers), `lr`, `optim`, `gradient_checkpointing`,
   `log` (log the loss every step: a collective per step, off by default), `op_profile` (one extra profiled step),
-  `census` (live objects, tensors and tensor bytes in every step's record: `_measure.object_census`).
+  `census` (live objects, tensors and tensor bytes in every step's record: `_measure.object_census`),
+  `transformers_router_loss` (hf_longctx does not take the MoE router loss over: transformers keeps every layer's
+  router logits; a baseline for `benchmarks.router_memory`).
 
 Measurements (`benchmarks._measure`): per step records, the process peak and `run_peak_bytes`, the resident
 growth from just before the model is built to the end of `trainer.train()` (model, gradients, optimizer state,
@@ -36,7 +38,8 @@ from typing import Any
 
 from benchmarks._measure import CommCounter, StepMemory, phase, recorder
 
-ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}  # fmt: skip
 
 
 def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str | None):
@@ -239,6 +242,10 @@ def run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(local_rank)
     engine_args = _setup(spec, world, cuda)
     parallelism = _parallelism(spec, world)
+    if spec.get("transformers_router_loss"):  # a benchmark baseline: hf_longctx leaves the MoE router loss alone
+        from hf_longctx.sequence import router_loss
+
+        router_loss.RouterLoss.attach = classmethod(lambda cls, model: None)
     steps = spec["steps"] + (1 if spec.get("op_profile") and not cuda else 0)  # + the profiled step
     profile_step = spec["steps"] if steps > spec["steps"] else None
     if spec.get("data") == "shakespeare":

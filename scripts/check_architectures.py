@@ -5,7 +5,9 @@
 
 Each architecture gets a small config built offline with `AutoConfig.for_model` (2 layers, hidden 64,
 4 query / 2 key-value heads, vocab 256, a few experts for MoE models), written to a temporary folder and
-checked in its own `hf-longctx check` process. Prints one line per architecture and a summary; exits 1 if
+checked in its own `hf-longctx check` process. The check switches each MoE family's router loss on and compares
+the whole loss (token loss + router loss); Phi-3 and PhiMoE get the longrope RoPE their long-context checkpoints
+ship with, which the check runs past its native length. Prints one line per architecture and a summary; exits 1 if
 any check FAILed or crashed (INVALID, i.e. exit 2, is an expected refusal and is listed separately).
 About 15 s per architecture at SP=2 on 2 CPU cores.
 """
@@ -37,6 +39,9 @@ BASE = {
     "bos_token_id": None,
     "eos_token_id": None,
 }
+# The long-context Phi-3 / Phi-3.5-MoE checkpoints ship longrope (factors per rotary frequency: head_dim 16 -> 8).
+_LONGROPE = {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.5] * 8,
+                                 "original_max_position_embeddings": 4096, "rope_theta": 10000.0}}  # fmt: skip
 EXTRA = {
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
@@ -59,6 +64,8 @@ EXTRA = {
         "topk_group": 1,
     },
     "llama4_text": {"attention_chunk_size": 16, "num_local_experts": 2, "intermediate_size_mlp": 128},
+    "phi3": {**_LONGROPE, "max_position_embeddings": 131072},
+    "phimoe": {**_LONGROPE, "max_position_embeddings": 131072, "num_local_experts": 4, "num_experts_per_tok": 2},
     "gemma2": {"sliding_window": 16},
     "gemma3_text": {"sliding_window": 16},
     "mistral": {"sliding_window": 16},

@@ -82,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ranks-per-node", type=int, default=None, help="ranks sharing one node's host RAM (default: min(world, 8))"
     )
     parser.add_argument("--liger-kernels", action="store_true", help="Liger RMSNorm/SwiGLU/RoPE/fused loss (ALST)")
+    parser.add_argument("--router-loss", action="store_true", help="MoE: train with the router load-balancing loss on")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--attn", choices=ATTNS, default="flash", help="attention kernel (default flash)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
@@ -123,6 +124,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         ranks_per_node=args.ranks_per_node,
         host_memory_gib=args.host_memory,
         ulysses_head_chunks=args.ulysses_head_chunks,
+        router_loss=args.router_loss,
     )
 
 

@@ -199,6 +199,10 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
 
     checkpoint = tokens * h * a
     per_layer = checkpoint if run.checkpointing else layer.saved  # what each layer keeps until its backward
+    if run.router_loss and model.experts:
+        # hf_longctx.sequence.router_loss keeps each layer's router logits [T, E] to the backward, checkpointed
+        # or not; its per-expert statistics are O(E).
+        per_layer += a * tokens * model.experts
     resident = n_layers
     if run.checkpointing and run.offload_activations and not device.host_is_device:
         resident = min(2, n_layers)  # the layer being recomputed and the prefetched one

@@ -27,7 +27,8 @@ class RunConfig:
     `ulysses_head_chunks` runs the Ulysses exchange and kernel over that many chunks of each rank's heads.
     `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`). `host_memory_gib`
     is one node's RAM for pinned offloaded activations and offloaded model states (None: unlimited),
-    shared by `ranks_per_node` ranks (default: min(world, 8)).
+    shared by `ranks_per_node` ranks (default: min(world, 8)). `router_loss`: an MoE model trains with its
+    router load-balancing loss on (`output_router_logits`), whose gradient keeps every layer's router logits.
     """
 
     seq_len: int
@@ -50,6 +51,7 @@ class RunConfig:
     ranks_per_node: int | None = None
     host_memory_gib: float | None = None
     ulysses_head_chunks: int = 1
+    router_loss: bool = False
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "world", "sp", "micro_batch"):

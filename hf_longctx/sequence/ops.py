@@ -17,6 +17,7 @@ from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.sequence.neftune import neftune_hook
 from hf_longctx.sequence.rope import patch_runtime_rope
 from hf_longctx.sequence.router_loss import RouterLoss
+from hf_longctx.sequence.router_source import FLAG, router_modules
 from hf_longctx.sequence.view import ShardView
 
 
@@ -47,6 +48,8 @@ class SequenceOps:
         self.neftune = False  # a NEFTune hook reads the view
         base = _transformers_model(model)
         self.router = RouterLoss.attach(base)
+        # Router logits recorded by a family whose forward adds no router loss (Llama 4, DeepSeek-V3, ...).
+        self.loss_free_routers = self.router is None and groups.sp_enabled and bool(router_modules(base))
         # With one rank the rotary module sees the whole sequence already.
         self.rope = patch_runtime_rope(base, lambda: self.view, groups) if groups.sp_enabled else []
 
@@ -54,13 +57,20 @@ class SequenceOps:
     def needs_view(self) -> bool:
         """Whether anything installed reads the forward's view (else the pre-hook builds none: under
         `torch.compile` reading the row length is a graph break)."""
-        return self.router is not None or bool(self.rope) or self.neftune
+        return self.router is not None or self.loss_free_routers or bool(self.rope) or self.neftune
 
     def begin(self, kwargs: dict[str, Any], view: ShardView) -> None:
         """At a forward's start (after the SP input checks): record its view, take over what needs it."""
         self.view = view
         if self.router is not None:
             self.router.begin(kwargs, token_weights(kwargs, view))
+        elif self.loss_free_routers and kwargs.get("fused_lm_head") and kwargs.get(FLAG):
+            # TRL's fused LM head then adds Mixtral's router loss itself, from this shard's router logits only.
+            raise ValueError(
+                "TRL adds a router load-balancing loss to this model (router_aux_loss_coef != 0), which its own "
+                "forward does not compute; under sequence parallelism TRL would compute it from each rank's shard "
+                "(a wrong loss). Set router_aux_loss_coef=0.0 in the trainer's config, or train with sp_size=1."
+            )
 
     def finish(self, output: Any) -> None:
         """At a forward's end (also after an exception: `output` None)."""

@@ -141,3 +141,49 @@ def test_runtime_rope_and_temperature_sp4():
     cases = [("dynamic", "ring", "long_short"), ("longrope", "ulysses", "long_short")]
     cases += [("temperature", "ring", "packed"), ("temperature", "ulysses", "padded")]
     _check(cases, 4)
+
+
+def _trl_router_loss_worker(rank: int, world_size: int) -> str:
+    import hf_longctx
+    from hf_longctx.distributed.groups import SequenceParallelGroups
+    from tests._sequence_models import sequence_model
+
+    groups = SequenceParallelGroups.build(world_size)
+    model = sequence_model("temperature")  # Llama 4: router logits recorded, no router loss in its forward
+    with hf_longctx.enable_sequence_parallel(model, groups):
+        shard = hf_longctx.shard_batch(_batches("padded")[0], groups)
+        try:
+            model(**shard, fused_lm_head=True, output_router_logits=True)  # what TRL's fused head is called with
+        except ValueError as err:
+            return str(err)
+    return "no error"
+
+
+def test_trl_router_loss_on_a_model_without_one_is_refused():
+    """TRL's fused head adds Mixtral's router loss to any model with `output_router_logits` and a non-zero
+    coefficient (Llama 4's config has 0.001): under SP it would take each shard's router logits alone."""
+    for message in run_distributed(_trl_router_loss_worker, 2, timeout=120):
+        assert "router_aux_loss_coef=0.0" in message, message
+
+
+def _alibi_worker(rank: int, world_size: int) -> str:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    import hf_longctx
+    from hf_longctx.distributed.groups import SequenceParallelGroups
+
+    groups = SequenceParallelGroups.build(world_size)
+    model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
+    with hf_longctx.enable_sequence_parallel(model, groups):
+        try:
+            model(**hf_longctx.shard_batch(_batches("padded")[0], groups))
+        except (ValueError, TypeError) as err:
+            return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_attention_outside_the_interface_is_refused_at_the_first_step():
+    """Bloom builds ALiBi from the key length it is given and computes attention itself (not through transformers'
+    attention interface): refused at the first forward, never trained on shards."""
+    for message in run_distributed(_alibi_worker, 2, timeout=120):
+        assert message.startswith("ValueError") and "attention interface" in message, message

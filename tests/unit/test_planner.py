@@ -396,3 +396,27 @@ def test_unmodelled_sp_backends_are_refused_by_name(backend):
     with pytest.raises(ValueError, match=f"--sp-backend {backend} is not modelled"):
         RunConfig(seq_len=1024, world=4, sp=4, sp_backend=backend)
     assert RunConfig(seq_len=1024, sp_backend="ulysses").sp_backend == "ulysses"
+
+
+def test_router_loss_keeps_every_layers_router_logits():
+    """`--router-loss` adds, per layer, the [tokens, experts] router logits hf_longctx.sequence keeps to the
+    backward, checkpointed or not; without experts it changes nothing."""
+    from hf_longctx.planner import ModelShape, RunConfig, estimate
+    from hf_longctx.planner.devices import DEVICES
+
+    moe = ModelShape(name="moe", vocab=1024, hidden=128, intermediate=256, layers=8, heads=4, kv_heads=2,
+                     head_dim=32, experts=64, experts_per_token=2, expert_intermediate=64)  # fmt: skip
+    device = DEVICES["h100"]
+    for checkpointing in (False, True):
+        base = RunConfig(seq_len=65536, gradient_checkpointing=checkpointing)
+        on = RunConfig(seq_len=65536, gradient_checkpointing=checkpointing, router_loss=True)
+        with_loss, without = estimate(moe, on, device), estimate(moe, base, device)
+        assert with_loss.peak_phase == without.peak_phase
+        added = with_loss.breakdown["saved_activations"] - without.breakdown["saved_activations"]
+        assert added == pytest.approx(8 * 65536 * 64 * base.act_bytes / 2**30, abs=2e-3)  # GiB, rounded
+    dense = ModelShape(name="dense", vocab=1024, hidden=128, intermediate=256, layers=8, heads=4, kv_heads=2,
+                       head_dim=32)  # fmt: skip
+    assert (
+        estimate(dense, RunConfig(seq_len=4096, router_loss=True), device).peak_gib
+        == estimate(dense, RunConfig(seq_len=4096), device).peak_gib
+    )

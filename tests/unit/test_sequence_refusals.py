@@ -31,6 +31,14 @@ def _peft(config):
     return get_peft_model(tiny_model("llama"), config)
 
 
+def _inkling():
+    from transformers.models.inkling import InklingForCausalLM, InklingTextConfig
+
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size")  # fmt: skip
+    return InklingForCausalLM(InklingTextConfig(**{k: SMALL[k] for k in keep}))
+
+
 def _cases():
     from peft import LilyConfig, LoraConfig, PrefixTuningConfig, PromptTuningConfig
 
@@ -49,6 +57,8 @@ def _cases():
             "activated LoRA",
         ),
         "lily": (lambda: _peft(LilyConfig(r=2, target_modules=["q_proj", "v_proj"])), "LILY.*average router"),
+        # Query scale and relative bias from a local arange, and short convolutions on k / v (the conv refuses it).
+        "inkling": (lambda: _inkling(), "Conv1d over the sequence"),
         "sparse_indexer_layers": (
             lambda: _auto("minimax_m3_vl_text", layer_types=["minimax_m3_sparse", "full_attention"]),
             "minimax_m3_sparse",
@@ -56,7 +66,9 @@ def _cases():
     }
 
 
-@pytest.mark.parametrize("case", ["doge", "prompt_tuning", "prefix_tuning", "alora", "lily", "sparse_indexer_layers"])
+@pytest.mark.parametrize(
+    "case", ["doge", "prompt_tuning", "prefix_tuning", "alora", "lily", "inkling", "sparse_indexer_layers"]
+)
 def test_refused_by_name_under_sp(case):
     build, reason = _cases()[case]
     model = build()
