@@ -77,7 +77,7 @@ class SequenceOps:
         self.view = None
         if self.router is not None:
             if output is None:
-                self.router.stats = None
+                self.router.abort()
             else:
                 self.router.finish(output, self.groups)
 

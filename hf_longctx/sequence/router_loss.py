@@ -35,7 +35,8 @@ class RouterLoss:
     def __init__(self, model: torch.nn.Module, source: RouterLossSource) -> None:
         self.source = source
         self._model = weakref.ref(model)
-        self.stats: RouterStats | None = None  # open from `begin` to `finish` of a forward with the loss on
+        self.active = False  # from `begin` to `finish` of a forward that adds the loss
+        self.stats: RouterStats | None = None  # that forward's sums, from its first router call
         self.weights: torch.Tensor | None = None
         self.top_k, self.coefficient = 0, 0.0
         self.hooks = [module.register_forward_hook(self._record(index)) for module, index in router_modules(model)]
@@ -58,7 +59,7 @@ class RouterLoss:
             ValueError: the loss is on and this family's loss cannot be reduced exactly (named), or no router found.
         """
         model = self._model()
-        self.stats = None
+        self.abort()
         if model is None or not self.source.enabled(model, kwargs):
             return
         if self.source.refusal is not None or not self.hooks:
@@ -69,13 +70,15 @@ class RouterLoss:
             )
         kwargs[FLAG] = False  # transformers neither keeps the router logits nor computes the shard's loss
         self.top_k, self.coefficient = self.source.settings(model)
-        self.weights = weights
-        self.stats = RouterStats.empty(0, weights.device)
+        self.weights, self.active = weights, True
+
+    def abort(self) -> None:
+        """Forget the forward in progress (it raised, or a new one starts)."""
+        self.active, self.stats = False, None
 
     def _record(self, index: int):
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            stats = self.stats
-            if stats is None:  # a forward without the loss, or a checkpointed layer recomputed in backward
+            if not self.active:  # a forward without the loss, or a checkpointed layer recomputed in backward
                 return
             logits = output[index] if isinstance(output, (tuple, list)) else output
             logits = logits.reshape(-1, logits.shape[-1])
@@ -84,18 +87,19 @@ class RouterLoss:
                     f"{type(module).__name__} routed {logits.shape[0]} tokens but the shard holds "
                     f"{self.weights.numel()}: hf_longctx cannot tell which tokens its router loss counts."
                 )
-            if stats.counts.numel() == 0:
-                self.stats = stats = RouterStats.empty(logits.shape[-1], logits.device)
-            stats.add(logits, self.weights, self.top_k)
+            if self.stats is None:
+                self.stats = RouterStats.empty(logits.shape[-1], logits.device)
+            self.stats.add(logits, self.weights, self.top_k)
 
         return hook
 
     def finish(self, output: Any, groups: SequenceParallelGroups) -> None:
         """End the forward: the exact loss share into `output.loss`, the whole value into `output.aux_loss`."""
-        stats, self.stats = self.stats, None
-        if stats is None:
+        active, stats = self.active, self.stats
+        self.abort()
+        if not active:
             return
-        if stats.counts.numel() == 0:
+        if stats is None:
             raise ValueError("No router ran in this forward, so there is no router loss to compute.")
         if not hasattr(output, "keys"):
             raise ValueError("The model returned a tuple; call it with return_dict=True for its router loss under SP.")

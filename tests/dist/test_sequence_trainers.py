@@ -2,8 +2,9 @@
 
 Per-step loss and grad_norm (and SFTTrainer's logged `aux_loss`, entropy, token accuracy) within 1e-5 of the
 same run without SP (SGD, no clipping, 3+ steps), for a Qwen3-MoE with its router loss on (coefficient 0.3),
-with gradient accumulation, packed rows, DDP (DP=2 x SP=2 against DP=2) and DeepSpeed ZeRO-3, and for a Llama
-with dynamic-NTK RoPE on rows longer than its 32 native positions. NEFTune's noise keeps the magnitude
+with gradient accumulation, packed rows, DDP (DP=2 x SP=2 against DP=2) and DeepSpeed ZeRO-3; for a Llama
+with dynamic-NTK RoPE on rows longer than its 32 native positions; for a Llama 4 whose no-RoPE layer scales its
+queries by their index in the row (attention temperature, floor_scale 4). NEFTune's noise keeps the magnitude
 `alpha / sqrt(length * hidden)` of the whole row. On f1bc042 the MoE loss is off by the router loss's share
 (1.4% at SP=2) and NEFTune's noise is sqrt(2) too large.
 """
@@ -23,6 +24,7 @@ TRAINER = {
     "moe": {"model_kind": MOE, "steps": 3},
     "moe_ga2": {"model_kind": MOE, "steps": 3, "ga": 2},
     "dynamic": {"model_kind": "dynamic", "steps": 3},
+    "temperature": {"model_kind": "temperature", "steps": 3},  # Llama 4: temperature from floor_scale 4 on
 }
 SFT = {
     "moe": {"model_kind": MOE, "steps": 3},
@@ -103,12 +105,15 @@ PLANS = {
     "sp4": (
         4,
         {
-            "trainer": {"moe": {**TRAINER["moe"], "sp": 4}, "dpsp_moe": {**TRAINER["moe"], "sp": 2}},
-            "sft": {"moe": {**SFT["moe"], "sp": 4}},
+            "trainer": {
+                **{k: {**TRAINER[k], "sp": 4} for k in ("moe", "dynamic", "temperature")},
+                "dpsp_moe": {**TRAINER["moe"], "sp": 2},
+            },
+            "sft": {k: {**SFT[k], "sp": 4} for k in ("moe", "dynamic_pack")},
         },
-    ),  # fmt: skip
-    # DeepSpeed ZeRO-3 (one engine per process: accelerate keeps its DeepSpeed state), SP=2.
-    "zero3": (2, {"trainer": {"moe": {**TRAINER["moe"], "sp": 2, "zero": 3}}}),
+    ),
+    # DeepSpeed ZeRO-3 (accelerate keeps its DeepSpeed state: one trainer kind per process), SP=2.
+    "zero3": (2, {"trainer": {k: {**TRAINER[k], "sp": 2, "zero": 3} for k in ("moe", "dynamic", "temperature")}}),
     "zero3_sft": (2, {"sft": {"moe": {**SFT["moe"], "sp": 2, "zero": 3}}}),
 }
 
@@ -146,14 +151,19 @@ def test_sft_sp2(name, out_root):
 def test_sp4_and_dp2_x_sp2(out_root):
     ref, ddp = _plan("ref", out_root)[0], _plan("sp2", out_root)[0]
     for rank in _plan("sp4", out_root):
-        _match(rank["trainer/moe"], ref["trainer/moe"], ("loss", "grad_norm"))
-        _match(rank["sft/moe"], ref["sft/moe"], U.SFT_KEYS)
+        for name in ("moe", "dynamic", "temperature"):
+            _match(rank[f"trainer/{name}"], ref[f"trainer/{name}"], ("loss", "grad_norm"))
+        for name in ("moe", "dynamic_pack"):
+            _match(rank[f"sft/{name}"], ref[f"sft/{name}"], U.SFT_KEYS)
         _match(rank["trainer/dpsp_moe"], ddp["trainer/ddp_moe"], ("loss", "grad_norm"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("plan", "key", "keys"), [("zero3", "trainer/moe", ("loss", "grad_norm")),
-                                                   ("zero3_sft", "sft/moe", U.SFT_KEYS)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("plan", "key", "keys"),
+    [("zero3", f"trainer/{name}", ("loss", "grad_norm")) for name in ("moe", "dynamic", "temperature")]
+    + [("zero3_sft", "sft/moe", U.SFT_KEYS)],
+)
 def test_zero3_sp2(plan, key, keys, out_root):
     want = _plan("ref", out_root)[0][key]
     for rank in _plan(plan, out_root):
