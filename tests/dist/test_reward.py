@@ -16,7 +16,13 @@ from tests.dist import _trl_jobs as J
 
 RTOL = 1e-5
 SPAWN_TIMEOUT_S = {1: 300, 2: 400}
-RELATIVE = tuple(k for k in J.REWARD_KEYS if k != "margin")
+# A reward is the score head's dot product of a unit-RMS hidden state with its weights (init std 0.02, hidden 64):
+# O(0.1), and its float32 rounding scales with that, not with a reward that happens to be near 0 (the ring run's
+# min_reward, -0.0326, differed by 4.5e-7 = 1.4e-5 of itself on this machine, on f1bc042 as now). Rewards are
+# compared within RTOL of max(|value|, REWARD_FLOOR); every trained weight stays within RTOL of its own size.
+REWARD_FLOOR = 0.1
+SCORES = ("mean_reward", "min_reward", "max_reward")
+RELATIVE = tuple(k for k in J.REWARD_KEYS if k != "margin" and k not in SCORES)
 # Every run ends with `trainer.evaluate()` on 5 held-out pairs (batches of 2: a partial last batch).
 CONFIGS = {
     "ulysses": {"eval_rows": 5},
@@ -63,6 +69,8 @@ def test_reward_sp2_matches_single_process(name, out_root, record_property):
         # The margin is a difference of O(1) rewards: compared on the rewards' scale, not its own.
         for got, want in zip(result["logs"], ref["logs"], strict=True):
             assert abs(got["margin"] - want["margin"]) <= RTOL * abs(want["mean_reward"]) + 1e-7, (got, want)
+            for key in SCORES:
+                assert abs(got[key] - want[key]) <= RTOL * max(abs(want[key]), REWARD_FLOOR), (key, got, want)
         assert sorted(result["weights"]) == sorted(ref["weights"])
         for param, want in ref["weights"].items():
             diff = float((result["weights"][param] - want).abs().max() / want.abs().max())
@@ -79,9 +87,11 @@ def test_reward_evaluate_sp2_matches_single_process(name, out_root, record_prope
     worst = {}
     for rank_results in _world(2, out_root):
         got = rank_results[name]["eval"]
-        for key in ("loss", "accuracy", "min_reward", "mean_reward", "max_reward", "num_tokens"):
+        for key in ("loss", "accuracy", "num_tokens"):
             diff = U.rel_diff(got[key], ref[key])
             assert diff <= RTOL, (key, got[key], ref[key])
             worst[key] = max(worst.get(key, 0.0), diff)
+        for key in SCORES:
+            assert abs(got[key] - ref[key]) <= RTOL * max(abs(ref[key]), REWARD_FLOOR), (key, got[key], ref[key])
         assert abs(got["margin"] - ref["margin"]) <= RTOL * abs(ref["mean_reward"]) + 1e-7, (got, ref)
     record_property("max_rel_diff", worst)
