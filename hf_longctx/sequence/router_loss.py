@@ -26,7 +26,7 @@ from hf_longctx.distributed.comm import group_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.sequence.replicated import mark_replicated
 from hf_longctx.sequence.router_source import FLAG, RouterLossSource, router_loss_source, router_modules
-from hf_longctx.sequence.router_stats import RouterStats, load_balancing_from_stats
+from hf_longctx.sequence.router_stats import RouterStats, load_balancing_from_stats, router_sums
 
 
 class RouterLoss:
@@ -37,7 +37,8 @@ class RouterLoss:
         self._model = weakref.ref(model)
         self.active = False  # from `begin` to `finish` of a forward that adds the loss
         self.stats: RouterStats | None = None  # that forward's sums, from its first router call
-        self.weights: torch.Tensor | None = None
+        self.weights: torch.Tensor | None = None  # [bs * sl_l] float32, of the last forward with gradients on
+        self.replay = False  # that forward added the loss: a checkpointed layer recomputed in backward replays it
         self.top_k, self.coefficient = 0, 0.0
         self.hooks = [module.register_forward_hook(self._record(index)) for module, index in router_modules(model)]
 
@@ -60,7 +61,10 @@ class RouterLoss:
         """
         model = self._model()
         self.abort()
-        if model is None or not self.source.enabled(model, kwargs):
+        enabled = model is not None and self.source.enabled(model, kwargs)
+        if torch.is_grad_enabled():  # the forward whose layers backward may recompute
+            self.replay = enabled
+        if not enabled:
             return
         if self.source.refusal is not None or not self.hooks:
             why = self.source.refusal or f"no module of {type(model).__name__} records router logits"
@@ -70,7 +74,7 @@ class RouterLoss:
             )
         kwargs[FLAG] = False  # transformers neither keeps the router logits nor computes the shard's loss
         self.top_k, self.coefficient = self.source.settings(model)
-        self.weights, self.active = weights, True
+        self.weights, self.active = weights.to(torch.float32), True
 
     def abort(self) -> None:
         """Forget the forward in progress (it raised, or a new one starts)."""
@@ -78,10 +82,17 @@ class RouterLoss:
 
     def _record(self, index: int):
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not self.active:  # a forward without the loss, or a checkpointed layer recomputed in backward
+            replay = not self.active and self.replay and torch.is_grad_enabled()
+            if not (self.active or replay):  # a forward without the loss
                 return
             logits = output[index] if isinstance(output, (tuple, list)) else output
             logits = logits.reshape(-1, logits.shape[-1])
+            if replay:
+                # Activation checkpointing recomputes this layer in backward: recreate the logits the statistics
+                # saved (the result was counted in the forward).
+                if logits.requires_grad and logits.shape[0] == self.weights.numel():
+                    router_sums(logits, self.weights.to(logits.device), self.top_k)
+                return
             if logits.shape[0] != self.weights.numel():
                 raise ValueError(
                     f"{type(module).__name__} routed {logits.shape[0]} tokens but the shard holds "

@@ -14,9 +14,10 @@ import torch
 class _RouterSums(torch.autograd.Function):
     """(sum_t w_t softmax(logits_t), top-k assignment counts weighted by w): one layer's statistics.
 
-    The logits are kept as a context attribute, not through `save_for_backward`: under activation checkpointing
-    the router runs inside a recomputed region, and a saved tensor there would have to be recreated by this
-    hook during the recomputation, when the forward's statistics are already spent.
+    Only the logits are saved (the softmax is recomputed in backward), through `save_for_backward`: under
+    activation checkpointing they are then dropped after the forward like the layer's other tensors and recreated
+    when the layer is recomputed (`router_sums` is called again there: see `RouterLoss`), so they do not
+    accumulate over the layers.
     """
 
     @staticmethod
@@ -25,16 +26,22 @@ class _RouterSums(torch.autograd.Function):
         _, selected = torch.topk(probs, top_k, dim=-1)
         counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
         counts.scatter_add_(0, selected.reshape(-1), weights.repeat_interleave(top_k))
-        ctx.logits, ctx.weights = logits, weights
+        ctx.save_for_backward(logits, weights)
         ctx.mark_non_differentiable(counts)
         return (probs.float() * weights.unsqueeze(-1)).sum(dim=0), counts
 
     @staticmethod
     def backward(ctx, grad_sums: torch.Tensor, grad_counts: torch.Tensor):
-        probs = torch.softmax(ctx.logits, dim=-1).float()
-        grad_probs = grad_sums.unsqueeze(0) * ctx.weights.unsqueeze(-1)
+        logits, weights = ctx.saved_tensors
+        probs = torch.softmax(logits, dim=-1).float()
+        grad_probs = grad_sums.unsqueeze(0) * weights.unsqueeze(-1)
         grad = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
-        return grad.to(ctx.logits.dtype), None, None
+        return grad.to(logits.dtype), None, None
+
+
+def router_sums(logits: torch.Tensor, weights: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(probability sums [E], assignment counts [E])` of one router call (`weights` `[tokens]` float32)."""
+    return _RouterSums.apply(logits, weights, top_k)
 
 
 @dataclass
@@ -52,7 +59,7 @@ class RouterStats:
 
     def add(self, logits: torch.Tensor, weights: torch.Tensor, top_k: int) -> None:
         """Add one router call: `logits` `[tokens, E]`, `weights` `[tokens]` (1 a counted token, 0 padding)."""
-        probs, counts = _RouterSums.apply(logits, weights.to(device=logits.device, dtype=torch.float32), top_k)
+        probs, counts = router_sums(logits, weights, top_k)
         self.counts = self.counts + counts
         self.probs = self.probs + probs
         self.rows = self.rows + weights.sum().to(self.rows.device)
