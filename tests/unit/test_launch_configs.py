@@ -35,3 +35,30 @@ def test_fsdp_configs_leave_activation_checkpointing_to_the_recipes():
 def test_every_config_and_recipe_parses():
     for name, data in {**_load("configs"), **_load("recipes")}.items():
         assert isinstance(data, dict) and data, name
+
+
+def test_multi_node_configs_launch_one_job_over_the_nodes():
+    """A multi-machine DeepSpeed config must make accelerate start torchrun on every node (one job of
+    num_processes ranks): its default, DeepSpeed's pdsh launcher without a hostfile, trains each node alone."""
+    import socket
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    with socket.socket() as free:  # node 0 checks that its rendezvous port is free: give it one that is
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    multi = {name: c for name, c in _load("configs").items() if c.get("num_machines", 1) > 1}
+    assert multi, "no multi-node config found"
+    for name in multi:
+        for node in (0, 1):
+            argv = ["--config_file", str(ROOT / "configs" / name), "--machine_rank", str(node)]
+            argv += ["--main_process_port", port]
+            args = launch_command_parser().parse_args([*argv, "--main_process_ip", "10.0.0.1", "train.py"])
+            args, *_ = _validate_launch_command(args)
+            if args.use_deepspeed:
+                assert args.deepspeed_multinode_launcher == "standard", name
+            prepare_multi_gpu_env(args)  # the torchrun arguments of this node
+            assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", node, "8"), name
+            rendezvous = getattr(args, "master_addr", None) or getattr(args, "rdzv_endpoint", "")
+            assert rendezvous.startswith("10.0.0.1"), name  # every node joins node 0
