@@ -366,11 +366,11 @@ def test_validation_harness_maps_points_to_runs():
 
 @pytest.mark.parametrize("seq", [37, 2048, 5000, 65536, 100003])
 def test_eager_scores_count_the_blocks_the_kernel_runs(seq):
-    from hf_longctx.attention.kernels import plan_blocks
+    from hf_longctx.attention.blocks import plan_segment
     from hf_longctx.planner.terms import eager_scores
 
-    blocks = plan_blocks([(0, seq)], 0, None, always_mask=True, max_elements=2**22)
-    assert eager_scores(seq, sp=2) == sum((b.q1 - b.q0) * (b.q1 - b.k0) for b in blocks)
+    blocks = plan_segment(seq, None, always_mask=True, max_elements=2**22)
+    assert eager_scores(seq, sp=2) == sum(b.scores for b in blocks)
     assert eager_scores(seq, sp=1) == seq * seq
 
 
