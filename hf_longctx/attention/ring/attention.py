@@ -26,7 +26,7 @@ import torch
 from hf_longctx.attention.lse.choose import select_kernel
 from hf_longctx.attention.lse.contract import lse_dtype
 from hf_longctx.attention.lse.merge import merge_block
-from hf_longctx.attention.ring.plan import BlockPlan
+from hf_longctx.attention.ring.block import BlockPlan
 from hf_longctx.distributed.ring_comm import RingComm
 from hf_longctx.instrument.measure import CollectiveStats, active_recorder
 
@@ -44,10 +44,10 @@ def check_variant(variant: str) -> None:
 class RingSpec:
     """Everything the autograd function needs besides tensors (no hidden state between calls).
 
-    `plans[i]` is the plan of this rank's queries against ring rank i's keys (None: skip)."""
+    `plans[i]` are the kernel calls of this rank's queries against ring rank i's keys (none: skip)."""
 
     comm: RingComm
-    plans: tuple[BlockPlan | None, ...]
+    plans: tuple[tuple[BlockPlan, ...], ...]
     scale: float
     variant: str = "p2p"
 
@@ -95,20 +95,19 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [bs, hc, sl]
         kv = _KV(k.shape, v.shape)
         for src, flat in _blocks(kv.pack(k, v), spec, stats):
-            plan = spec.plans[src]
-            if plan is None:
-                continue
             kb, vb = kv.unpack(flat)
-            block_out, block_lse = _kernel(q, v, plan).forward(
-                q[:, :, plan.rows],
-                kb[:, :, plan.cols],
-                vb[:, :, plan.cols],
-                causal=plan.causal,
-                allowed=plan.allowed,
-                scale=spec.scale,
-                segments=plan.segments,
-            )
-            merge_block(out, lse, block_out, block_lse, plan.rows)
+            for plan in spec.plans[src]:
+                b = plan.batch_rows
+                block_out, block_lse = _kernel(q, v, plan).forward(
+                    q[b, :, plan.rows],
+                    kb[b, :, plan.cols],
+                    vb[b, :, plan.cols],
+                    causal=plan.causal,
+                    allowed=plan.allowed,
+                    scale=spec.scale,
+                    segments=plan.segments,
+                )
+                merge_block(out[b], lse[b], block_out, block_lse, plan.rows)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.stats = spec, stats
@@ -122,33 +121,32 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = _KV(k.shape, v.shape)
 
-        def block_grads(src: int, flat: torch.Tensor):
-            plan = spec.plans[src]
-            if plan is None:
-                return None
+        def block_grads(src: int, flat: torch.Tensor) -> list:
             kb, vb = kv.unpack(flat)
-            r, c = plan.rows, plan.cols
-            grads = _kernel(q, v, plan).backward(
-                dout[:, :, r],
-                q[:, :, r],
-                kb[:, :, c],
-                vb[:, :, c],
-                out[:, :, r],
-                lse[:, :, r],
-                causal=plan.causal,
-                allowed=plan.allowed,
-                scale=spec.scale,
-                segments=plan.segments,
-            )
-            dq[:, :, r] += grads[0]
-            return plan, grads
+            results = []
+            for plan in spec.plans[src]:
+                b, r, c = plan.batch_rows, plan.rows, plan.cols
+                grads = _kernel(q, v, plan).backward(
+                    dout[b, :, r],
+                    q[b, :, r],
+                    kb[b, :, c],
+                    vb[b, :, c],
+                    out[b, :, r],
+                    lse[b, :, r],
+                    causal=plan.causal,
+                    allowed=plan.allowed,
+                    scale=spec.scale,
+                    segments=plan.segments,
+                )
+                dq[b, :, r] += grads[0]
+                results.append((plan, grads))
+            return results
 
-        def add_kv_grads(acc_flat: torch.Tensor, result) -> None:
-            if result is not None:
-                plan, (_, gk, gv) = result
-                dk_acc, dv_acc = kv.unpack(acc_flat)
-                dk_acc[:, :, plan.cols] += gk
-                dv_acc[:, :, plan.cols] += gv
+        def add_kv_grads(acc_flat: torch.Tensor, results: list) -> None:
+            dk_acc, dv_acc = kv.unpack(acc_flat)
+            for plan, (_, gk, gv) in results:
+                dk_acc[plan.batch_rows, :, plan.cols] += gk
+                dv_acc[plan.batch_rows, :, plan.cols] += gv
 
         if spec.variant == "allgather":
             # All blocks' dK/dV land in one [R, k + v] fp32 buffer; block i is summed onto rank i.
