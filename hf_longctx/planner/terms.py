@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
+from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK, plan_segment
 from hf_longctx.memory.tiling import auto_tiles, tile_tokens
 from hf_longctx.planner.kernels import flash2_backward, keeps_transformers_mask
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
@@ -85,8 +85,33 @@ def eager_scores(seq: int, sp: int) -> int:
     return q_block * q_block * full * (full + 1) // 2 + rest * seq
 
 
-def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> LayerBytes:
-    """Saved and transient bytes of one decoder layer on one rank (see the module docstring)."""
+def band_keys(seq: int, window: int, eager: bool) -> float:
+    """Keys per query that a sliding-window layer's band hands the kernel over one `seq`-token document
+    (`blocks.plan_segment`): the K/V windows it copies, about 2 for windows of at least 64."""
+    return sum(b.repeat * b.keys for b in plan_segment(seq, window, eager)) / seq
+
+
+def segment_scores(seq: int, window: int | None, chunk: int | None) -> int:
+    """Score elements of one head's eager attention over one `seq`-token document of a windowed or chunked
+    layer: the band's blocks, or each chunk's query blocks (`blocks.plan_segment`)."""
+    if chunk is None:
+        return sum(b.scores for b in plan_segment(seq, window, True))
+    full, rest = divmod(seq, chunk)
+    per_chunk = sum(b.scores for b in plan_segment(chunk, None, True))
+    return full * per_chunk + (sum(b.scores for b in plan_segment(rest, None, True)) if rest else 0)
+
+
+def layer_bytes(
+    model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool, kind: str = "full_attention"
+) -> LayerBytes:
+    """Saved and transient bytes of one decoder layer on one rank (see the module docstring), of attention `kind`
+    (`ModelShape.layer_types`).
+
+    A sliding-window layer on sdpa or eager (not flash-attn, which takes the window itself) runs as a band:
+    `band_keys` keys per query are copied into K/V windows, expanded to the query heads (sdpa takes grouped K/V
+    only without a mask; eager always expands), kept for backward and given gradients there, and the blocks'
+    outputs are concatenated (one more output). A chunked layer runs per chunk: its outputs are concatenated too,
+    and eager scores each chunk alone. flash-attn runs both on the full sequence, as a full layer."""
     a, h, d, sp = run.act_bytes, model.hidden, model.head_dim, run.sp
     heads, width, liger = model.heads, model.mlp_width, run.liger_kernels
     kv = kv_heads_per_rank(model, sp)
@@ -107,25 +132,34 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         per_head = a * d + 4 if liger else (4 + a) * d + 4
         saved_attn += T * per_head * (heads + model.kv_heads)
     shared = 0.0
+    window = model.sliding_window if kind == "sliding_attention" and model.sliding_window < seq else None
+    chunk = model.attention_chunk if kind == "chunked_attention" and model.attention_chunk < seq else None
+    banded = window is not None and run.attn != "flash"
+    # The band's K/V windows, expanded to the query heads; a second output where blocks or chunks are concatenated.
+    kv_windows = 2 * a * T * heads * d * band_keys(seq, window, run.attn == "eager") if banded else 0.0
+    split_out = out if (banded or chunk is not None) and run.attn != "flash" else 0.0
     if run.attn == "eager":
-        quadratic = run.micro_batch * q_local * eager_scores(seq, sp)  # score elements per layer on this rank
-        # repeat_kv expands k and v to the local query heads; softmax output in fp32 (+ its cast).
-        kernel_saved = a * T * heads * d * 3 + (qkv - a * T * heads * d if sp > 1 else 0)
-        kernel_saved += quadratic * (4 + (a if a < 4 else 0))
+        scores = segment_scores(seq, window, chunk) if window or chunk else eager_scores(seq, sp)
+        quadratic = run.micro_batch * q_local * scores  # score elements per layer on this rank
+        # repeat_kv expands k and v to the local query heads (the band: its windows); softmax output in fp32
+        # (+ its cast).
+        expanded = kv_windows if banded else 2 * a * T * heads * d
+        kernel_saved = a * T * heads * d + expanded + (qkv - a * T * heads * d if sp > 1 else 0)
+        kernel_saved += quadratic * (4 + (a if a < 4 else 0)) + split_out
         saved_attn += out  # o_proj input
         if keeps_transformers_mask(model, run):
             shared = run.micro_batch * seq * seq * a  # transformers' additive [seq, seq] mask, one per forward
         # Gradient of the probabilities, of the softmax input (fp32) and, in bf16, of the cast between.
-        attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv
+        attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv + kv_windows
     else:
-        kernel_saved = qkv + 4 * T * heads  # q, k, v and the fp32 log-sum-exp
+        kernel_saved = qkv + 4 * T * heads + kv_windows + split_out  # q, k, v and the fp32 log-sum-exp
         # The kernel's output is o_proj's input without SP (flash and sdpa write [bs, sl, hc, hs]); with
         # SP the all-to-all back makes a second copy.
         copies = 1 if sp == 1 else 2
         kernel_saved += (copies - 1) * out
         saved_attn += out
-        attn_bwd = qkv  # dq, dk, dv
-        if flash2_backward(run, on_cpu):
+        attn_bwd = qkv + kv_windows  # dq, dk, dv (and the windows' gradients)
+        if flash2_backward(run, on_cpu) and not banded:  # the band's masked blocks run the efficient kernel
             attn_bwd += 4 * T * heads * d  # FlashAttention-2's fp32 dq accumulator (flash-attn's or torch's)
             if kv < q_local:
                 attn_bwd += 2 * a * T * heads * d  # dk, dv expanded to every query head
