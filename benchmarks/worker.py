@@ -36,7 +36,11 @@ from typing import Any
 
 from benchmarks._measure import CommCounter, StepMemory, phase, recorder
 
-ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),  # `extra={"sliding_window": W}`: every layer windowed
+}
 
 
 def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str | None):
