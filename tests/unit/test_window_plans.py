@@ -137,3 +137,27 @@ def test_ulysses_band_equals_dense_window_attention(family, window):
     assert max(calls) > 1  # inner blocks ran batched
     inner = [b for b in plan_segment(470, window, family == "eager") if b.repeat > 1]
     assert inner and inner[0].keys == band_rows(window) + window - 1
+
+
+def test_ulysses_band_keeps_gpt_oss_sinks_in_every_batched_block():
+    """GPT-OSS's eager kernel (a learned sink logit per head in every softmax) on the band's batched inner blocks:
+    the same as dense window attention with the sink column."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as sink_kernel
+
+    window, seq = 20, 300
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    module = _Module(2)
+    module.sinks = torch.nn.Parameter(torch.randn(4, generator=g, dtype=torch.float64))
+    out = attend_blocks(sink_kernel, module, "eager", [[(0, seq)]], q, k, v, {"scaling": 0.3, "dropout": 0.0}, window)
+    i = torch.arange(seq)
+    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    s = ((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3).masked_fill(~allowed, -math.inf)
+    sink = module.sinks.view(1, 4, 1, 1).expand(1, 4, seq, 1)
+    probs = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    ref = (probs @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)  # the kernel's softmax runs in float32
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    leaves = (q, k, v, module.sinks)
+    for got, want in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -13,6 +13,11 @@ L returns exact partial gradients; dQ sums them locally, dK/dV travel with their
 accumulator ("p2p": one hop per step, the last hop delivers it to its owner) or are summed by a
 reduce-scatter ("allgather"). Only local q, k, v, the merged O and L are saved; K/V blocks are
 communicated again in backward instead of being kept (O(S) memory per layer otherwise).
+
+Precision in bf16 / fp16: every block kernel returns its output and its dq / dk / dv piece rounded to the input
+dtype, so beyond the whole-row kernel's own error a gradient element carries at most `u * sum_j |g_j|` (its exact
+pieces g_j from the ring's blocks; at most `P u max_j |g_j|`; u = 2^-8 in bf16, 2^-11 in fp16) and an output element
+`u * max |V|`; tests/unit/test_ring_numerics.py holds P = 2, 4 and 8 to that bound.
 """
 
 from __future__ import annotations
