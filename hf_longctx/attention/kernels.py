@@ -178,4 +178,9 @@ def attend(
         return kernel(module, query, key, value, mask, **kw)[0]
     kw = {k: v for k, v in kwargs.items() if k not in _PADDING_FREE_KWARGS and k != "position_ids"}
     window = kw.get("sliding_window")
+    unbound = window is None or window >= query.shape[2]
+    if context.single_document and chunk is None and unbound and family != "eager":
+        # One document per row and no binding window: one causal call, no segments (no host round trip per layer:
+        # torch.compile traces through).
+        return kernel(module, query, key, value, None, **kw)[0]
     return attend_blocks(kernel, module, family, context.segments(chunk), query, key, value, kw, window)

@@ -96,9 +96,6 @@ def attend_blocks(
     Returns:
         `[bs, sl, hc_l, hs_v]`, the kernel's output layout.
     """
-    whole_rows = all(len(row) == 1 for row in segments)
-    if whole_rows and family != "eager" and (window is None or window >= query.shape[2]):
-        return kernel(module, query, key, value, None, **kwargs)[0]  # one document per row: one causal call
     rows = []
     for b, row in enumerate(segments):
         lengths = [end - start for start, end in row]
