@@ -38,8 +38,12 @@ from typing import Any
 
 from benchmarks._measure import CommCounter, StepMemory, phase, recorder
 
-ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}  # fmt: skip
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),  # `extra={"sliding_window": W}`: every layer windowed
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # `extra`: experts, router loss (router_memory)
+}
 
 
 def build_model(model_spec: dict[str, Any], attn: str, dtype: str, device: str | None):

@@ -2,23 +2,24 @@
 
 `SequenceContext` is built once per model forward from the all-gathered global `position_ids`
 and lazily derives, per kernel family, the varlen `cu_seq_lens_*` (flash-attn), the `BlockMask`
-(flex, built block by block) or the plan of `AttentionBlock`s (sdpa, eager). `attend` is the main
-entry used by the Ulysses wrapper. Packed documents never attend to each other on any kernel, and
-no kernel gets a dense `[sl, sl]` mask: sdpa and eager run once per document (causal, no mask),
-and where a mask is still needed (sliding windows; eager, which has no causal flag) once per block
-of queries with a `[q_block, keys]` mask. Attention then costs the sum of squared document
-lengths instead of the square of the row.
+(flex, built block by block) or the segments (documents, cut at chunk boundaries for chunked
+layers) that sdpa and eager run on (`local.attend_blocks`). `attend` is the main entry used by
+the Ulysses wrapper. Packed documents never attend to each other on any kernel, and no kernel
+gets a dense `[sl, sl]` mask: sdpa and eager run once per segment (causal, no mask), a sliding
+window as a band of query blocks against the keys of their window (`blocks.plan_segment`), and
+eager, which has no causal flag, in query blocks with `[q_block, keys]` masks. Attention then
+costs the sum of squared segment lengths (O(S x W) with a window) instead of the square of the row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
+from hf_longctx.attention.local import attend_blocks
 from hf_longctx.data.sharding import document_starts
 
 FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -38,44 +39,6 @@ def kernel_family(name: str) -> str:
         f"attn_implementation={name!r} is not supported under sequence parallelism; "
         f"load the model with one of {list(SUPPORTED_KERNELS)}."
     )
-
-
-@dataclass(frozen=True)
-class AttentionBlock:
-    """Queries `[q0, q1)` of row `row` attend keys `[k0, q1)` (always inside one segment).
-
-    `masked=False`: plain causal, `k0 == q0`. `masked=True`: query i may attend key j when
-    `j <= i` and, with a window, `i - j < window`.
-    """
-
-    row: int
-    q0: int
-    q1: int
-    k0: int
-    masked: bool
-
-    def allowed(self, window: int | None, device: torch.device | None = None) -> torch.Tensor:
-        """Boolean `[q1 - q0, q1 - k0]` mask of this block."""
-        qi = torch.arange(self.q0, self.q1, device=device).unsqueeze(1)
-        kj = torch.arange(self.k0, self.q1, device=device).unsqueeze(0)
-        ok = kj <= qi
-        return ok & (qi - kj < window) if window is not None else ok
-
-
-def plan_blocks(
-    segments: list[tuple[int, int]], row: int, window: int | None, always_mask: bool, max_elements: int
-) -> Iterator[AttentionBlock]:
-    """The blocks covering one row's segments, queries in order (see `AttentionBlock`)."""
-    for start, end in segments:
-        length = end - start
-        if not always_mask and (window is None or length <= window):
-            yield AttentionBlock(row, start, end, start, masked=False)  # the window never binds
-            continue
-        span = length if window is None else min(length, window)
-        q_block = min(length, max(MIN_Q_BLOCK, max_elements // span))
-        for q0 in range(start, end, q_block):
-            k0 = start if window is None else max(start, q0 - window + 1)
-            yield AttentionBlock(row, q0, min(q0 + q_block, end), k0, masked=True)
 
 
 @dataclass
@@ -112,19 +75,6 @@ class SequenceContext:
                 bounds = torch.nonzero(row).flatten().tolist() + [sl]
                 rows.append(list(zip(bounds[:-1], bounds[1:], strict=True)))
             self._cache[key] = rows
-        return self._cache[key]
-
-    def blocks(
-        self, window: int | None, chunk: int | None, always_mask: bool, max_elements: int = MASK_BLOCK_ELEMENTS
-    ) -> list[AttentionBlock]:
-        """The sdpa / eager plan of every row (see `plan_blocks`)."""
-        key = ("blocks", window, chunk, always_mask, max_elements)
-        if key not in self._cache:
-            self._cache[key] = [
-                block
-                for row, segments in enumerate(self.segments(chunk))
-                for block in plan_blocks(segments, row, window, always_mask, max_elements)
-            ]
         return self._cache[key]
 
     def varlen_kwargs(self, chunk: int | None = None) -> dict[str, Any]:
@@ -228,19 +178,9 @@ def attend(
         return kernel(module, query, key, value, mask, **kw)[0]
     kw = {k: v for k, v in kwargs.items() if k not in _PADDING_FREE_KWARGS and k != "position_ids"}
     window = kw.get("sliding_window")
-    always_mask = family == "eager"  # eager has no causal flag: every block gets its mask
-    if context.single_document and chunk is None and (window is None or window >= query.shape[2]) and not always_mask:
+    unbound = window is None or window >= query.shape[2]
+    if context.single_document and chunk is None and unbound and family != "eager":
+        # One document per row and no binding window: one causal call, no segments (no host round trip per layer:
+        # torch.compile traces through).
         return kernel(module, query, key, value, None, **kw)[0]
-    rows: list[list[torch.Tensor]] = [[] for _ in range(query.shape[0])]
-    for block in context.blocks(window, chunk, always_mask):
-        b, q, k = block.row, slice(block.q0, block.q1), slice(block.k0, block.q1)
-        mask = None
-        if block.masked:
-            mask = block.allowed(window, query.device)[None, None]  # [1, 1, q_block, keys]
-            if family == "eager":
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                    ~mask, torch.finfo(query.dtype).min
-                )
-        out = kernel(module, query[b : b + 1, :, q], key[b : b + 1, :, k], value[b : b + 1, :, k], mask, **kw)[0]
-        rows[b].append(out)  # [1, q_block, hc_l, hs_v]
-    return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)
+    return attend_blocks(kernel, module, family, context.segments(chunk), query, key, value, kw, window)

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 from hf_longctx.planner.devices import DeviceProfile
 from hf_longctx.planner.kernels import attention_kernel, keeps_transformers_mask
+from hf_longctx.planner.layers import layer_stack
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 from hf_longctx.planner.run import RunConfig
-from hf_longctx.planner.terms import LayerBytes, layer_bytes, loss_bytes, norm_bytes, valid_head_chunks
-from hf_longctx.planner.tiled import tiled_layer_bytes
+from hf_longctx.planner.terms import loss_bytes, norm_bytes, valid_head_chunks
 
 GIB = 2**30
 TERMS = (
@@ -194,18 +194,17 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     a, h, n_layers = run.act_bytes, model.hidden, model.layers
     tokens = run.micro_batch * ceil_div(run.seq_len, run.sp)  # local tokens, padded to a multiple of sp
     states = model_state_bytes(model, run)
-    layer_fn = layer_bytes if run.tiled_layer is False else tiled_layer_bytes
-    layer: LayerBytes = layer_fn(model, run, tokens, device.host_is_device)
+    stack = layer_stack(model, run, tokens, device.host_is_device)  # per attention kind (full, sliding, chunked)
+    shared = stack.largest("shared")
 
     checkpoint = tokens * h * a
-    per_layer = checkpoint if run.checkpointing else layer.saved  # what each layer keeps until its backward
-    if run.router_loss and model.experts:
-        # hf_longctx.sequence.router_loss keeps each layer's router logits [T, E] to the backward, checkpointed
-        # or not; its per-expert statistics are O(E).
-        per_layer += a * tokens * model.experts
-    resident = n_layers
+    stored = stack.stored(checkpoint) + shared  # what every layer keeps until its backward
+    if run.router_loss and model.experts and not run.checkpointing:
+        # hf_longctx.sequence.router_loss keeps each layer's router logits [T, E] to the backward (with
+        # checkpointing they are recomputed with the layer); its per-expert statistics are O(E).
+        stored += n_layers * a * tokens * model.experts
     if run.checkpointing and run.offload_activations and not device.host_is_device:
-        resident = min(2, n_layers)  # the layer being recomputed and the prefetched one
+        stored = min(2, n_layers) * checkpoint + shared  # the layer being recomputed and the prefetched one
     elif run.offload_activations:
         notes.append("on the CPU, offloaded activations stay in the same memory: no saving")
     # offload_activations copies every layer's input to pinned host memory, per rank on the node; the
@@ -238,9 +237,8 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
             f"of packed documents makes sdpa build a [S, S] mask, {_gib(square)} GiB at S = {run.seq_len:,} (not "
             "counted above); pad rows instead of packing them, or use --attn flash"
         )
-    stored = resident * per_layer + layer.shared
     # The backward at its last layer: only layer 0's saved tensors (or input) are left.
-    stored_last = per_layer + layer.shared
+    stored_last = stack.kinds[0].kept(checkpoint) + shared
     # The final norm's saved tensors; tiled_layer checkpoints it per tile, so only its input stays.
     final_norm = tokens * (h * a if run.tiled_layer is not False else norm_bytes(h, a, run.liger_kernels))
     logits = loss_bytes(model, run, tokens, fused=run.tiled_loss and not device.host_is_device)
@@ -249,17 +247,17 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     # and at its last (layer 0's activations; every gradient but the input embedding's): both grow or shrink
     # linearly with the layers done, so the larger of the two is the backward's peak.
     layer_backward = {
-        "recompute": layer.saved if run.checkpointing else 0.0,
+        "recompute": stack.recompute(),
         # The gradient of the residual stream and of the layer output stay alive across the layer.
-        "backward_transients": layer.backward + 2 * checkpoint,
-        "all_to_all_buffers": layer.all_to_all,
+        "backward_transients": stack.largest("backward") + 2 * checkpoint,
+        "all_to_all_buffers": stack.largest("all_to_all"),
         "zero3_gathers": gather_bytes(model, run, "backward"),
     }
     phases: dict[str, dict[str, float]] = {
         "forward": {
             "saved_activations": stored,
-            "backward_transients": layer.forward,
-            "all_to_all_buffers": layer.all_to_all,
+            "backward_transients": stack.largest("forward"),
+            "all_to_all_buffers": stack.largest("all_to_all"),
             "zero3_gathers": gather_bytes(model, run, "forward"),
         },
         "loss": {

@@ -4,12 +4,15 @@ The kernel follows `--attn`, the device and the dtype as hf_longctx picks it (at
 attention/kernels.py): on a GPU in bf16, `flash` is the flash-attn package and `sdpa` is torch's own
 FlashAttention-2 (sdpa's flash backend per document; `aten._flash_attention_*` for tiled_layer's tiles); both keep
 an fp32 dq accumulator and expand dk/dv to every query head under GQA in their backward (`flash2_backward`). In
-fp32 sdpa runs torch's memory-efficient kernel; on the CPU torch's CPU flash kernel. Torch-free: the planner runs
-without torch.
+fp32 sdpa runs torch's memory-efficient kernel; on the CPU torch's CPU flash kernel. Sliding-window layers on sdpa /
+eager run as a band of masked query blocks (attention/blocks.py; on a GPU sdpa's masked path is the memory-efficient
+kernel), on flash-attn with its window argument; chunked layers per chunk. Torch-free: the planner runs without
+torch.
 """
 
 from __future__ import annotations
 
+from hf_longctx.attention.blocks import band_rows
 from hf_longctx.planner.model_shape import ModelShape
 from hf_longctx.planner.run import RunConfig
 
@@ -25,7 +28,7 @@ def keeps_transformers_mask(model: ModelShape, run: RunConfig) -> bool:
 
 
 def attention_kernel(model: ModelShape, run: RunConfig, on_cpu: bool) -> str:
-    """The attention kernel the run uses, in words."""
+    """The attention kernel the run uses, in words; per attention kind when the model mixes kinds."""
     if on_cpu:
         kernel = "torch's CPU flash kernel" if run.attn != "eager" else "eager"
     elif run.attn == "eager":
@@ -38,6 +41,29 @@ def attention_kernel(model: ModelShape, run: RunConfig, on_cpu: bool) -> str:
         kernel = "torch's memory-efficient kernel (sdpa, fp32)"
     if keeps_transformers_mask(model, run):
         return f"{kernel}, the model's own attention ({model.own_attention}: transformers builds its mask)"
+    kinds = model.layer_kinds()
+    parts = [f"{_KIND_NAMES.get(kind, kind)} ({count}): {_per_kind(model, run, on_cpu, kind, kernel)}"
+             for kind, count in kinds.items()]  # fmt: skip
+    return parts[0].split(": ", 1)[1] if len(kinds) == 1 and "full_attention" in kinds else "; ".join(parts)
+
+
+_KIND_NAMES = {"full_attention": "full layers", "sliding_attention": "sliding-window layers",
+               "chunked_attention": "chunked layers"}  # fmt: skip
+
+
+def _per_kind(model: ModelShape, run: RunConfig, on_cpu: bool, kind: str, kernel: str) -> str:
+    """How one kind of layer runs (attention/local.py, attention/blocks.py, memory/layer_match.py)."""
+    if kind == "sliding_attention":
+        window = model.sliding_window
+        if run.attn == "flash":
+            return f"{kernel} with its window argument (window {window}), no mask"
+        rows = band_rows(window)
+        band_kernel = kernel if on_cpu or run.attn == "eager" else "torch's memory-efficient kernel (sdpa, masked)"
+        return (f"{band_kernel} in a band of {rows}-query blocks against {rows + window - 1} keys each (window "
+                f"{window}; one [{rows}, {rows + window - 1}] mask, inner blocks batched)")  # fmt: skip
+    if kind == "chunked_attention":
+        how = "varlen segments" if run.attn == "flash" else "per chunk"
+        return f"{kernel}, {how} of {model.attention_chunk} positions, no mask"
     if run.tiled_layer is not False:
         return f"{kernel}, per query tile against the whole sequence (tiled_layer), no mask"
     if run.attn == "eager":

@@ -29,7 +29,9 @@ class ModelShape:
     MoE layers count every expert as a parameter and `experts_per_token` experts (plus any shared
     expert) as activations; routing imbalance is not modelled. `own_attention` says why hf_longctx leaves this
     model's attention to transformers at `sp_size=1` (vision-language and linear-attention models,
-    integrations/trainer/single.py), where transformers builds its own mask.
+    integrations/trainer/single.py), where transformers builds its own mask. `layer_types` names each decoder
+    layer's attention ("full_attention", "sliding_attention" with `sliding_window`, "chunked_attention" with
+    `attention_chunk`); empty means every layer is full.
     """
 
     name: str
@@ -49,6 +51,9 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_intermediate: int = 0
     own_attention: str = ""  # why hf_longctx leaves attention to transformers without SP ("": it serves it)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    attention_chunk: int = 0
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -59,6 +64,12 @@ class ModelShape:
                 f"model {self.name!r}: num_attention_heads ({self.heads}) must be a multiple of "
                 f"num_key_value_heads ({self.kv_heads})."
             )
+        if self.layer_types and len(self.layer_types) != self.layers:
+            raise ValueError(f"model {self.name!r}: {len(self.layer_types)} layer_types for {self.layers} layers.")
+        for kind, size, key in (("sliding_attention", self.sliding_window, "sliding_window"),
+                                ("chunked_attention", self.attention_chunk, "attention_chunk")):  # fmt: skip
+            if kind in self.layer_types and size < 1:
+                raise ValueError(f"model {self.name!r}: {kind} layers need {key} >= 1, got {size}.")
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
@@ -100,7 +111,15 @@ class ModelShape:
             expert_intermediate=expert_intermediate if experts else 0,
             shared_intermediate=shared,
             own_attention=own,
+            **_attention_layers(config, int(config["num_hidden_layers"])),
         )
+
+    def layer_kinds(self) -> dict[str, int]:
+        """Decoder layers per attention kind, in order of first appearance (`{"full_attention": layers}` if none)."""
+        kinds: dict[str, int] = {}
+        for kind in self.layer_types or ("full_attention",) * self.layers:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
 
     @property
     def mlp_width(self) -> int:
@@ -131,6 +150,37 @@ class ModelShape:
     def num_params(self) -> int:
         """All parameters of the causal LM."""
         return self.layers * self.layer_params() + self.embedding_params()
+
+
+# Full-attention layer every n-th layer when a config.json has a window but no `layer_types` (transformers' rule).
+_WINDOW_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
+def _attention_layers(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """`layer_types`, `sliding_window` and `attention_chunk` as transformers derives them from a config.json:
+    `layer_types` when given; else chunked layers where Llama 4's `no_rope_layers` is set (every layer but each
+    fourth by default); else, with a `sliding_window`: every `sliding_window_pattern`-th layer full, the others
+    windowed (Gemma 3: 6 by default, Gemma 2: 2); Qwen2-style configs (`use_sliding_window`) window the layers
+    from `max_window_layers` on; the others (Mistral) every layer."""
+    window = int(config.get("sliding_window") or 0)
+    chunk = int(config.get("attention_chunk_size") or 0)
+    types = config.get("layer_types")
+    pattern = config.get("sliding_window_pattern") or _WINDOW_PATTERNS.get(config.get("model_type", ""), 0)
+    if types:
+        kinds = tuple(types)
+    elif window and pattern:
+        kinds = tuple("sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers))
+    elif chunk:
+        no_rope = config.get("no_rope_layers") or [int((i + 1) % 4 != 0) for i in range(layers)]
+        kinds = tuple("chunked_attention" if flag else "full_attention" for flag in no_rope)
+    elif window and "use_sliding_window" in config:
+        first = int(config.get("max_window_layers", 0)) if config["use_sliding_window"] else layers
+        kinds = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    else:
+        kinds = ("sliding_attention",) * layers if window else ()
+    if set(kinds) <= {"full_attention"}:
+        return {}
+    return {"layer_types": kinds, "sliding_window": window, "attention_chunk": chunk}
 
 
 def _first(config: dict[str, Any], keys: tuple[str, ...], default: int) -> int:

@@ -28,7 +28,8 @@ class RunConfig:
     `loss_chunk_tokens` overrides the tiled loss's tile (default: see `loss_bytes`). `host_memory_gib`
     is one node's RAM for pinned offloaded activations and offloaded model states (None: unlimited),
     shared by `ranks_per_node` ranks (default: min(world, 8)). `router_loss`: an MoE model trains with its
-    router load-balancing loss on (`output_router_logits`), whose gradient keeps every layer's router logits.
+    router load-balancing loss on (`output_router_logits`), whose gradient keeps every layer's router logits to
+    the backward (recomputed with the layer under gradient checkpointing).
     """
 
     seq_len: int

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK
+from hf_longctx.attention.blocks import MASK_BLOCK_ELEMENTS, MIN_Q_BLOCK, plan_segment
 from hf_longctx.memory.tiling import auto_tiles, tile_tokens
 from hf_longctx.planner.kernels import flash2_backward, keeps_transformers_mask
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
@@ -85,8 +85,54 @@ def eager_scores(seq: int, sp: int) -> int:
     return q_block * q_block * full * (full + 1) // 2 + rest * seq
 
 
-def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) -> LayerBytes:
-    """Saved and transient bytes of one decoder layer on one rank (see the module docstring)."""
+def band_bytes(seq: int, window: int, run: RunConfig, tokens: int, heads: int, d: int, kv: int) -> tuple[float, float]:
+    """`(saved, gradients)`: what a sliding-window layer's band (`blocks.plan_segment` over one `seq`-token document,
+    `attention/local.py`) keeps beyond the unbanded kernel's q, k, v, LSE and output, and the gradients of its
+    copies in backward, on one rank of `tokens` tokens with `heads` query and `kv` key-value heads per rank in the
+    kernel's layout (`heads * seq` = `heads_model * tokens` per sequence).
+
+    transformers' `repeat_kv` expands each block's K/V window (a view of K/V: a slice, or an `unfold` for the
+    batched inner blocks) to the query heads: a copy, except with one key-value head per rank or none to expand
+    (then a stride-0 view sdpa reads in place); eager's matmuls copy them always, and the batched queries too.
+    sdpa keeps each distinct masked block's mask as a float copy and the blocks' outputs beside their
+    concatenation (without SP: with SP the all-to-all back takes the concatenation and o_proj its own output, as
+    unbanded); without SP, when every block reads a copy, K and V themselves are not kept (`qkv` counts them)."""
+    a, eager = run.act_bytes, run.attn == "eager"
+    blocks = plan_segment(seq, window, eager)
+    one = a * run.micro_batch * seq * heads * d  # one [seq, heads, d] tensor of the kernel's layout
+    copied = eager or 1 < kv < heads
+    keys = sum(b.repeat * b.keys for b in blocks if eager or b.masked) / seq
+    windows = 2 * one * keys if copied else 0.0
+    if eager:
+        batched = sum(b.repeat * b.rows for b in blocks if b.repeat > 1) / seq
+        return windows + one * batched, windows
+    masks = a * sum(b.rows * b.keys for b in blocks if b.masked)
+    in_place = not copied or any(not b.masked for b in blocks)
+    originals = 0.0 if in_place or run.sp > 1 else 2 * a * tokens * kv * d
+    outputs = one if run.sp == 1 else 0.0  # with SP the exchange back, not o_proj, reads the concatenation
+    return windows + outputs + masks - originals, windows
+
+
+def segment_scores(seq: int, window: int | None, chunk: int | None) -> int:
+    """Score elements of one head's eager attention over one `seq`-token document of a windowed or chunked
+    layer: the band's blocks, or each chunk's query blocks (`blocks.plan_segment`)."""
+    if chunk is None:
+        return sum(b.scores for b in plan_segment(seq, window, True))
+    full, rest = divmod(seq, chunk)
+    per_chunk = sum(b.scores for b in plan_segment(chunk, None, True))
+    return full * per_chunk + (sum(b.scores for b in plan_segment(rest, None, True)) if rest else 0)
+
+
+def layer_bytes(
+    model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool, kind: str = "full_attention"
+) -> LayerBytes:
+    """Saved and transient bytes of one decoder layer on one rank (see the module docstring), of attention `kind`
+    (`ModelShape.layer_types`).
+
+    A sliding-window layer on sdpa or eager (not flash-attn, which takes the window itself) runs as a band of
+    query blocks, each with the K/V window of its queries (`band_bytes`; eager scores the band's blocks). A
+    chunked layer runs per chunk: its outputs are concatenated (one more output on sdpa), and eager scores each
+    chunk alone. flash-attn runs both on the full sequence, as a full layer."""
     a, h, d, sp = run.act_bytes, model.hidden, model.head_dim, run.sp
     heads, width, liger = model.heads, model.mlp_width, run.liger_kernels
     kv = kv_heads_per_rank(model, sp)
@@ -107,25 +153,36 @@ def layer_bytes(model: ModelShape, run: RunConfig, tokens: int, on_cpu: bool) ->
         per_head = a * d + 4 if liger else (4 + a) * d + 4
         saved_attn += T * per_head * (heads + model.kv_heads)
     shared = 0.0
+    window = model.sliding_window if kind == "sliding_attention" and model.sliding_window < seq else None
+    chunk = model.attention_chunk if kind == "chunked_attention" and model.attention_chunk < seq else None
+    banded = window is not None and run.attn != "flash"
+    # The band's extra saved tensors and its windows' gradients (`band_bytes`).
+    band, band_grads = band_bytes(seq, window, run, T, q_local, d, kv) if banded else (0.0, 0.0)
+    # Chunks: one call per chunk, the outputs concatenated (without SP a second output kept: the kernel's own, beside
+    # o_proj's input; eager keeps none of its own).
+    split_out = out if chunk is not None and run.attn == "sdpa" and sp == 1 else 0.0
     if run.attn == "eager":
-        quadratic = run.micro_batch * q_local * eager_scores(seq, sp)  # score elements per layer on this rank
-        # repeat_kv expands k and v to the local query heads; softmax output in fp32 (+ its cast).
-        kernel_saved = a * T * heads * d * 3 + (qkv - a * T * heads * d if sp > 1 else 0)
+        scores = segment_scores(seq, window, chunk) if window or chunk else eager_scores(seq, sp)
+        quadratic = run.micro_batch * q_local * scores  # score elements per layer on this rank
+        # repeat_kv expands k and v to the local query heads (the band: its windows, in `band`); softmax output in
+        # fp32 (+ its cast).
+        expanded = 0.0 if banded else 2 * a * T * heads * d
+        kernel_saved = a * T * heads * d + expanded + band + (qkv - a * T * heads * d if sp > 1 else 0)
         kernel_saved += quadratic * (4 + (a if a < 4 else 0))
         saved_attn += out  # o_proj input
         if keeps_transformers_mask(model, run):
             shared = run.micro_batch * seq * seq * a  # transformers' additive [seq, seq] mask, one per forward
         # Gradient of the probabilities, of the softmax input (fp32) and, in bf16, of the cast between.
-        attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv
+        attn_bwd = quadratic * (a + 4 + (4 if a < 4 else 0)) + qkv + band_grads
     else:
-        kernel_saved = qkv + 4 * T * heads  # q, k, v and the fp32 log-sum-exp
+        kernel_saved = qkv + 4 * T * heads + band + split_out  # q, k, v and the fp32 log-sum-exp
         # The kernel's output is o_proj's input without SP (flash and sdpa write [bs, sl, hc, hs]); with
         # SP the all-to-all back makes a second copy.
         copies = 1 if sp == 1 else 2
         kernel_saved += (copies - 1) * out
         saved_attn += out
-        attn_bwd = qkv  # dq, dk, dv
-        if flash2_backward(run, on_cpu):
+        attn_bwd = qkv + band_grads  # dq, dk, dv (and the windows' gradients)
+        if flash2_backward(run, on_cpu) and not banded:  # the band's masked blocks run the efficient kernel
             attn_bwd += 4 * T * heads * d  # FlashAttention-2's fp32 dq accumulator (flash-attn's or torch's)
             if kv < q_local:
                 attn_bwd += 2 * a * T * heads * d  # dk, dv expanded to every query head

@@ -37,6 +37,7 @@ class OpCase:
     window: int | None = None
     chunk: int | None = None
     scale: float | None = None
+    q_scale: float = 1.0  # queries scaled up: scores, and the LSEs the merge sees, of 100 and more
     worlds: tuple[int, ...] = (2, 4)
 
     @property
@@ -76,6 +77,34 @@ CASES = (
     OpCase("hybrid_contig_p2p_mha_packed", ulysses=2, layout="contiguous", kv_heads=4, bs=2, docs=PACKED, worlds=(4,)),
     OpCase("hybrid_zigzag_p2p_packed_window", ulysses=2, docs=PACKED, bs=2, window=6, worlds=(4,)),
     OpCase("hybrid_zigzag_fp32_irregular", ulysses=2, dtype="float32", heads=6, kv_heads=3, seq_len=48, worlds=(4,)),
+    # Windows over several tiles (rows per tile: the window, at least 64), per-row documents, skipped block pairs.
+    OpCase("zigzag_p2p_window_tiles_packed", seq_len=320, window=12, bs=2, docs=((100, 3, 217), (320,))),
+    OpCase(
+        "contig_allgather_window_tiles_fp32",
+        dtype="float32",
+        layout="contiguous",
+        variant="allgather",
+        seq_len=320,
+        window=70,
+        worlds=(2,),
+    ),  # fmt: skip
+    OpCase(
+        "hybrid_zigzag_p2p_window_tiles", ulysses=2, seq_len=320, window=9, bs=2, docs=((150, 170), (320,)), worlds=(4,)
+    ),  # fmt: skip
+    OpCase("zigzag_p2p_chunked_long", seq_len=320, chunk=48, docs=((130, 190),)),
+    # Scores of 100+ (every other case: unit variance, LSE under ~10): float32 exp overflows from 88.7 on.
+    OpCase("zigzag_p2p_fp32_large_scores", dtype="float32", q_scale=40.0, seq_len=64, head_dim=16, worlds=(2,)),
+    OpCase(
+        "contig_p2p_bf16_large_scores_window",
+        dtype="bfloat16",
+        layout="contiguous",
+        q_scale=40.0,
+        seq_len=96,
+        head_dim=16,
+        window=20,
+        docs=((40, 56),),
+        worlds=(2,),
+    ),  # fmt: skip
 )
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -97,7 +126,8 @@ def case_tensors(case: OpCase) -> dict[str, torch.Tensor]:
     dv = case.v_head_dim or case.head_dim
     shape = (case.bs, case.seq_len)
     return {
-        "q": torch.randn(case.bs, case.heads, case.seq_len, case.head_dim, generator=g, dtype=torch.float64),
+        "q": torch.randn(case.bs, case.heads, case.seq_len, case.head_dim, generator=g, dtype=torch.float64)
+        * case.q_scale,
         "k": torch.randn(case.bs, case.kv_heads, case.seq_len, case.head_dim, generator=g, dtype=torch.float64),
         "v": torch.randn(case.bs, case.kv_heads, case.seq_len, dv, generator=g, dtype=torch.float64),
         "dout": torch.randn(*shape, case.heads, dv, generator=g, dtype=torch.float64),
@@ -120,7 +150,8 @@ def reference(case: OpCase, t: dict[str, torch.Tensor], dtype: torch.dtype = tor
     s = s.masked_fill(~ok[:, None], float("-inf"))
     out = (torch.softmax(s, -1) @ v.repeat_interleave(group, 1)).transpose(1, 2)  # [bs, S, h, dv]
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), t["dout"].to(dtype))
-    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+    lse_max = float(torch.logsumexp(s.detach(), -1).max())
+    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv, "lse_max": lse_max}
 
 
 def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -159,6 +190,7 @@ def run_case(case: OpCase, groups: hf_longctx.SequenceParallelGroups) -> dict[st
         "dk": _max_err(dk, ref["dk"][:, :, idx]),
         "dv": _max_err(dv, ref["dv"][:, :, idx]),
         "scale": max(float(ref[n].abs().max()) for n in ("out", "dq", "dk", "dv")),
+        "lse_max": ref["lse_max"],
     }
     if dtype != torch.float64:
         single = reference(case, t, dtype)  # the same attention in one call at the case's precision

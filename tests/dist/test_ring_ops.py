@@ -28,11 +28,16 @@ def test_ring_operator_matches_float64_reference(world, name):
     case = R.CASES_BY_NAME[name]
     for rank, result in enumerate(_results(world)):
         got = result["cases"][name]
+        # Scores of 100+: an LSE L in the float32 accumulators is known to 2^-24 |L|, which every probability
+        # exp(s - L) inherits (one float64 softmax does not); those cases must reach such scores.
+        conditioning = 8 * 2.0**-24 * got["lse_max"] if case.q_scale != 1.0 else 0.0
+        assert case.q_scale == 1.0 or got["lse_max"] > 100, (name, got["lse_max"])
         for key in ("out", "dq", "dk", "dv"):
             if case.dtype == "float64":
                 bound = 1e-10 * max(1.0, got["scale"])
             else:
-                bound = 2.0 * got[f"single_{key}"] + (1e-6 if case.dtype == "float32" else 2e-3) * got["scale"]
+                tolerance = (1e-6 if case.dtype == "float32" else 2e-3) + conditioning
+                bound = 2.0 * got[f"single_{key}"] + tolerance * got["scale"]
             assert got[key] <= bound, (name, rank, key, got[key], bound)
 
 

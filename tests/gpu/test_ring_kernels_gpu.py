@@ -77,16 +77,17 @@ def test_each_kernel_gives_rows_without_keys_out_zero_and_lse_minus_inf(dtype):
         rule = VisibilityRule(doc, window=9 if kind == "packed_window" else None)
         idx = [layout_indices("zigzag", r, 4, 64).cuda() for r in range(4)]
         for rank in range(4):
-            for src, plan in enumerate(plan_ring(idx, rank, rule)):
-                if plan is None or not plan.masked:
+            for src, plan in ((s, p) for s, parts in enumerate(plan_ring(idx, rank, rule)) for p in parts):
+                if not plan.masked:
                     continue
-                mask = plan.mask(2)[:, 0]  # [bs, rows, cols]
+                b = plan.batch_rows
+                mask = plan.mask(2)[:, 0].expand(q[b].shape[0], -1, -1)  # [bs, rows, cols]
                 empty = ~mask.any(-1)
                 if not bool(empty.any()):
                     continue
                 out, lse = select_kernel(q, plan).forward(
-                    q[:, :, idx[rank]][:, :, plan.rows], k[:, :, idx[src]][:, :, plan.cols],
-                    v[:, :, idx[src]][:, :, plan.cols], causal=plan.causal, allowed=plan.allowed,
+                    q[b][:, :, idx[rank]][:, :, plan.rows], k[b][:, :, idx[src]][:, :, plan.cols],
+                    v[b][:, :, idx[src]][:, :, plan.cols], causal=plan.causal, allowed=plan.allowed,
                     scale=0.125, segments=plan.segments,
                 )  # fmt: skip
                 assert bool((lse.transpose(0, 1)[:, empty] == -math.inf).all())

@@ -15,6 +15,7 @@ import torch
 from hf_longctx.attention.lse import choose as K
 from hf_longctx.attention.lse.cpu import CpuFlashKernel, MathKernel
 from hf_longctx.attention.lse.efficient import EfficientKernel, bmhk_out, padded_lse
+from hf_longctx.attention.lse.loop import segment_loop
 from hf_longctx.attention.lse.torch_flash import TorchFlashKernel, torch_flash_varlen
 from hf_longctx.attention.ring.plan import VisibilityRule, plan_block
 from hf_longctx.attention.ring.virtual import reference, virtual_ring
@@ -103,7 +104,7 @@ def test_every_mask_kernel_gives_rows_without_keys_out_zero_and_lse_minus_inf(in
 def test_varlen_kernels_never_compute_a_row_without_keys():
     # Queries at 8..11, keys at 0..7: row 1's document 1 spans 6..8, so its query at 9 sees no key of this block.
     doc = torch.tensor([[0] * 6 + [1] * 4 + [2] * 2, [0] * 6 + [1] * 3 + [2] * 3])
-    plan = plan_block(torch.arange(8, 12), torch.arange(0, 8), VisibilityRule(doc))
+    (plan,) = plan_block(torch.arange(8, 12), torch.arange(0, 8), VisibilityRule(doc))
     assert plan.segments is not None
     ops = AtenOps()
     q, k, v, _ = _qkv(n=4, m=8, dtype=BF16)
@@ -159,10 +160,12 @@ def test_ring_blocks_on_the_cuda_kernels_match_float64_in_bf16(kind, world):
 @pytest.mark.parametrize("kind", ["causal", "packed"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_ring_blocks_on_the_efficient_kernel_match_float64_at_world_8(kind, dtype):
-    """Every block on the memory-efficient kernel: in bf16 it reads `out` at its own fixed row stride (the NaN at
-    world 8 on the H200 was that read running past the end of a [B, H, M, K]-contiguous `out`)."""
+    """Every block on the memory-efficient kernel (packed blocks segment by segment): in bf16 it reads `out` at its
+    own fixed row stride (the NaN at world 8 on the H200 was that read running past the end of a [B, H, M,
+    K]-contiguous `out`)."""
     kernel = EfficientKernel(AtenOps())
-    _ring_case(kind, 8, dtype, lambda q, plan: kernel)
+    packed = segment_loop(kernel)
+    _ring_case(kind, 8, dtype, lambda q, plan: packed if plan.segments is not None else kernel)
 
 
 # ---- the tiled layer's attention on the same kernels
@@ -204,8 +207,9 @@ def test_choose_kernel_on_cuda_without_flash_attn():
 
     assert name(BF16) == name(torch.float16) == "torch_flash"
     assert name(BF16, masked=True, varlen=True) == "torch_flash_varlen"
-    assert name(BF16, masked=True) == "cuda_efficient"  # sliding windows, chunks
-    assert name(torch.float32) == name(torch.float32, masked=True, varlen=True) == "cuda_efficient"
+    assert name(BF16, masked=True) == "cuda_efficient"  # sliding-window tiles
+    assert name(torch.float32) == "cuda_efficient"
+    assert name(torch.float32, masked=True, varlen=True) == "cuda_efficient_segments"  # packed: per segment, no mask
     assert name(BF16, head_dims=(192, 128)) == "cuda_efficient"  # MLA: flash wants one head size
     assert name(BF16, head_dims=(264, 264)) == "cuda_efficient"  # over flash's 256
     assert name(BF16, head_dims=(6, 6)) == "math"  # no kernel takes it

@@ -15,7 +15,9 @@ from transformers.masking_utils import (
 )
 
 from hf_longctx.attention.block_mask import classify_blocks
+from hf_longctx.attention.blocks import plan_segment
 from hf_longctx.attention.kernels import SequenceContext, attention_chunk_size
+from hf_longctx.attention.local import block_allowed
 
 SMALL = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_hidden_layers=2)
 # Packed rows: positions restart at 0 per document. The long one spans several 128-token flex blocks.
@@ -44,17 +46,19 @@ def _expected(rule: str, arg: int | None, positions: torch.Tensor) -> torch.Tens
 
 
 def _plan_mask(context: SequenceContext, window, chunk, always_mask: bool, max_elements: int) -> torch.Tensor:
-    """The dense mask a block plan implies: each block's own mask placed at its rows and keys."""
+    """The dense mask the sdpa / eager plan implies: each block's own mask placed at its rows and keys, per
+    segment and repeat (`min_rows` 4: long segments and bands are cut into several query blocks)."""
     sl = context.position_ids.shape[1]
     dense = torch.zeros(context.position_ids.shape[0], 1, sl, sl, dtype=torch.bool)
-    for block in context.blocks(window, chunk, always_mask, max_elements):
-        if block.masked:
-            part = block.allowed(window)
-        else:
-            n = block.q1 - block.q0
-            part = torch.ones(n, n, dtype=torch.bool).tril()
-        assert not dense[block.row, 0, block.q0 : block.q1].any(), "query rows covered twice"
-        dense[block.row, 0, block.q0 : block.q1, block.k0 : block.q1] = part
+    for row, segments in enumerate(context.segments(chunk)):
+        for start, end in segments:
+            for block in plan_segment(end - start, window, always_mask, max_elements, min_rows=4):
+                part = block_allowed(block, window) if block.masked else torch.ones(block.rows, block.rows).tril()
+                for i in range(block.repeat):
+                    q0, q1, k0 = (start + x + i * block.rows for x in (block.q0, block.q1, block.k0))
+                    assert start <= k0 and q1 <= end, "a block outside its segment"
+                    assert not dense[row, 0, q0:q1].any(), "query rows covered twice"
+                    dense[row, 0, q0:q1, k0:q1] = part.bool()
     return dense
 
 

@@ -70,9 +70,9 @@ def test_flash_attn_is_chosen_on_cuda_and_the_choice_is_logged_once(monkeypatch,
 
     assert name(bf16) == name(bf16) == "flash_attn_2"
     assert name(bf16, masked=True, varlen=True) == "flash_attn_2_varlen"
-    assert name(bf16, masked=True) == "cuda_efficient"  # window / chunk masks
-    assert name(torch.float32, masked=True, varlen=True) == "cuda_efficient"
-    assert name(bf16, masked=True, varlen=True, head_dims=(192, 128)) == "cuda_efficient"
+    assert name(bf16, masked=True) == "cuda_efficient"  # window tiles
+    assert name(torch.float32, masked=True, varlen=True) == "cuda_efficient_segments"
+    assert name(bf16, masked=True, varlen=True, head_dims=(192, 128)) == "cuda_efficient_segments"
     lines = [r.getMessage() for r in caplog.records if "blocks use" in r.getMessage()]
     assert (
         lines.count("block attention: cuda torch.bfloat16 dense (head sizes 64/64) blocks use the flash_attn_2 kernel")
@@ -99,7 +99,7 @@ def test_fa3_custom_ops_are_detected_for_dense_and_varlen_blocks(monkeypatch, fr
     for got, ref in zip(grads, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     doc = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
-    plan = plan_block(torch.arange(5), torch.arange(5), VisibilityRule(doc))
+    (plan,) = plan_block(torch.arange(5), torch.arange(5), VisibilityRule(doc))
     out, _ = varlen.forward(q, k, v, causal=False, allowed=None, scale=0.3, segments=plan.segments)
     ref_out, _ = MathKernel().forward(q, k, v, causal=False, allowed=plan.mask(2), scale=0.3)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
@@ -145,7 +145,7 @@ def test_packed_blocks_are_planned_as_segments_without_a_dense_mask(monkeypatch)
 
     monkeypatch.setattr(VisibilityRule, "allowed", no_dense)
     indices = [layout_indices("zigzag", r, 2, 32) for r in range(2)]
-    plans = [p for r in range(2) for p in plan_ring(indices, r, rule) if p is not None]
+    plans = [p for r in range(2) for parts in plan_ring(indices, r, rule) for p in parts]
     assert any(p.segments is not None for p in plans)
     assert all(p.allowed is None for p in plans)
     for p in plans:

@@ -13,18 +13,18 @@ from hf_longctx.attention.ring.plan import VisibilityRule, plan_ring
 from hf_longctx.data.layout import layout_indices
 
 
-def _covered(plan, nq, nk, bs) -> torch.Tensor:
-    """Boolean [bs or 1, nq, nk]: the pairs a plan hands to the kernel as visible."""
-    mask = None if plan is None else plan.mask(bs)
-    out = torch.zeros(1 if mask is None else mask.shape[0], nq, nk, dtype=torch.bool)
-    if plan is None:
-        return out
-    n, m = plan.rows.stop - plan.rows.start, plan.cols.stop - plan.cols.start
-    crop = torch.ones(n, m, dtype=torch.bool)
-    if plan.causal:
-        crop = crop.tril()
-    crop = crop.unsqueeze(0) if mask is None else mask[:, 0]
-    out[:, plan.rows, plan.cols] = crop
+def _covered(plans, nq, nk, bs) -> torch.Tensor:
+    """Boolean [bs, nq, nk]: the pairs a block's plans hand to the kernels as visible; no pair twice."""
+    out = torch.zeros(bs, nq, nk, dtype=torch.bool)
+    for plan in plans:
+        n, m = plan.rows.stop - plan.rows.start, plan.cols.stop - plan.cols.start
+        mask = plan.mask(bs)
+        crop = torch.ones(1, n, m, dtype=torch.bool) if mask is None else mask[:, 0]
+        if plan.causal:
+            crop = crop.tril()
+        target = out[plan.batch_rows, plan.rows, plan.cols]
+        assert not (target & crop).any(), f"a pair planned twice: {plan}"
+        out[plan.batch_rows, plan.rows, plan.cols] = target | crop
     return out
 
 
@@ -33,6 +33,10 @@ RULES = {
     "packed": lambda pos, doc: VisibilityRule(doc),
     "window": lambda pos, doc: VisibilityRule(None, window=5),
     "packed_window_chunk": lambda pos, doc: VisibilityRule(doc, window=7, chunk=4, position_ids=pos),
+    "packed_chunk": lambda pos, doc: VisibilityRule(doc, chunk=4, position_ids=pos),
+    "chunk": lambda pos, doc: VisibilityRule(None, chunk=8, position_ids=torch.arange(32).expand(2, 32)),
+    "window_tiles": lambda pos, doc: VisibilityRule(None, window=3, tile_rows=2),
+    "packed_window_tiles": lambda pos, doc: VisibilityRule(doc, window=6, tile_rows=4),
 }
 
 
@@ -46,10 +50,10 @@ def test_plans_cover_exactly_the_visible_pairs(rule_name, kind, world):
     rule = RULES[rule_name](pos, doc)
     indices = [layout_indices(kind, r, world, seq) for r in range(world)]
     for rank in range(world):
-        for src, plan in enumerate(plan_ring(indices, rank, rule)):
+        for src, plans in enumerate(plan_ring(indices, rank, rule)):
             want = rule.allowed(indices[rank], indices[src])
-            got = _covered(plan, len(indices[rank]), len(indices[src]), doc.shape[0])
-            assert torch.equal(got.expand_as(want), want), (rank, src, plan)
+            got = _covered(plans, len(indices[rank]), len(indices[src]), doc.shape[0])
+            assert torch.equal(got, want.expand_as(got)), (rank, src, plans)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -58,13 +62,13 @@ def test_zigzag_balances_causal_work_and_needs_no_mask(world):
     indices = [layout_indices("zigzag", r, world, seq) for r in range(world)]
     for rank in range(world):
         plans = plan_ring(indices, rank, VisibilityRule(None))
-        assert all(p is not None and p.allowed is None for p in plans)
+        assert all(len(p) == 1 and p[0].allowed is None for p in plans)
         # Off-diagonal steps: exactly half of a block each (m x 2m or 2m x m, m = seq / 2P).
         m = seq // (2 * world)
-        assert all(p.pairs == 2 * m * m for src, p in enumerate(plans) if src != rank)
-        assert plans[rank].causal
+        assert all(p[0].pairs == 2 * m * m for src, p in enumerate(plans) if src != rank)
+        assert plans[rank][0].causal
     contiguous = [layout_indices("contiguous", r, world, seq) for r in range(world)]
-    assert plan_ring(contiguous, 0, VisibilityRule(None))[1] is None  # future keys: skipped
+    assert plan_ring(contiguous, 0, VisibilityRule(None))[1] == ()  # future keys: skipped
 
 
 def test_merge_equals_one_softmax_over_all_keys_and_ignores_empty_blocks():
@@ -105,9 +109,11 @@ def test_long_documents_in_zigzag_blocks_are_planned_as_segments_not_masks():
     doc = torch.tensor([[0] * 6 + [1] * 50 + [2] * 8])
     indices = [layout_indices("zigzag", r, world, seq) for r in range(world)]
     for rank in range(world):
-        for src, plan in enumerate(plan_ring(indices, rank, VisibilityRule(doc))):
-            if plan is None:
+        for src, plans in enumerate(plan_ring(indices, rank, VisibilityRule(doc))):
+            assert len(plans) <= 1, (rank, src)
+            if not plans:
                 continue
+            plan = plans[0]
             assert plan.allowed is None, (rank, src)
             want = VisibilityRule(doc).allowed(indices[rank], indices[src])[:, plan.rows, plan.cols]
             got = plan.mask(1)[:, 0] if plan.masked else None
@@ -115,7 +121,7 @@ def test_long_documents_in_zigzag_blocks_are_planned_as_segments_not_masks():
                 assert torch.equal(got, want), (rank, src)
     # Rank 2 holds positions 16..23 and 40..47, both of document 1; of rank 0's keys (0..7, 56..63) both runs see
     # document 1's 6 and 7: two segments listing the same two keys.
-    plan = plan_ring(indices, 2, VisibilityRule(doc))[0]
+    (plan,) = plan_ring(indices, 2, VisibilityRule(doc))[0]
     assert plan.segments.cu_q.tolist() == [0, 8, 16] and plan.segments.cu_k.tolist() == [0, 2, 4]
     assert plan.segments.k_tokens.tolist() == [0, 1, 0, 1]
 

@@ -1,11 +1,12 @@
 """Which block kernel runs a block: `choose_kernel` (device, dtype, block kind) and `select_kernel` (a ring plan).
 
-CPU: torch's CPU flash kernel, any float dtype. CUDA, fp16/bf16 with a head size flash takes (equal for q, k and
-v, a multiple of 8, at most 256) on sm80+: flash-attn's kernels when installed, else torch's own FlashAttention-2,
-for dense blocks and packed (varlen) ones; torch's memory-efficient kernel for blocks with any other mask, for
-fp32 and for head sizes over 256; float64, head sizes the efficient kernel's alignment refuses (not a multiple of 8
-in fp16/bf16, of 4 in fp32) and other devices: the math kernel. Each (device, dtype, block kind) choice is logged
-once per process.
+CPU: torch's CPU flash kernel, any float dtype; packed blocks segment by segment (`loop.segment_loop`). CUDA,
+fp16/bf16 with a head size flash takes (equal for q, k and v, a multiple of 8, at most 256) on sm80+: flash-attn's
+kernels when installed, else torch's own FlashAttention-2, for dense blocks and packed (varlen) ones; torch's
+memory-efficient kernel for blocks with any other mask (window tiles: small masks), for fp32 and for head sizes
+over 256, packed blocks then segment by segment; float64, head sizes the efficient kernel's alignment refuses (not
+a multiple of 8 in fp16/bf16, of 4 in fp32) and other devices: the math kernel. Each (device, dtype, block kind)
+choice is logged once per process.
 """
 
 from __future__ import annotations
@@ -21,27 +22,34 @@ from hf_longctx.attention.lse.contract import BlockKernel
 from hf_longctx.attention.lse.cpu import CpuFlashKernel, MathKernel
 from hf_longctx.attention.lse.efficient import EfficientKernel, efficient_supports
 from hf_longctx.attention.lse.flash_attn import detect_flash_attn
+from hf_longctx.attention.lse.loop import segment_loop
 from hf_longctx.attention.lse.torch_flash import TorchFlashKernel, flash_supports, torch_flash_varlen
 
 logger = logging.getLogger(__name__)
 _CPU, _MATH = CpuFlashKernel(), MathKernel()
+_CPU_PACKED = segment_loop(_CPU)
 _LOGGED: set[tuple[str, str, str]] = set()
 
 
 @dataclass(frozen=True)
 class CudaKernels:
-    """The CUDA kernel of each block kind: dense, packed (varlen) and masked (any other mask, fp32)."""
+    """The CUDA kernel of each block kind: dense, packed (varlen) and masked (any other mask, fp32); `packed`: the
+    masked kernel segment by segment, for packed blocks flash does not take."""
 
     dense: BlockKernel
     varlen: BlockKernel
     masked: BlockKernel
+    packed: BlockKernel
 
 
 def cuda_kernels(ops: Any = None, flash_attn: bool = True) -> CudaKernels:
     """flash-attn's dense / varlen kernels when installed (and `flash_attn`), else torch's; torch's efficient kernel
     for masks. `ops`: the aten namespace (a stand-in in the CPU tests)."""
     dense, varlen = detect_flash_attn()[:2] if flash_attn else (None, None)
-    return CudaKernels(dense or TorchFlashKernel(ops), varlen or torch_flash_varlen(ops), EfficientKernel(ops))
+    efficient = EfficientKernel(ops)
+    return CudaKernels(
+        dense or TorchFlashKernel(ops), varlen or torch_flash_varlen(ops), efficient, segment_loop(efficient)
+    )
 
 
 @cache
@@ -74,10 +82,10 @@ def choose_kernel(
         kernels: the CUDA kernels (default: this process's, probed once); tests pass stand-in ones.
     """
     if device_type == "cpu":
-        kernel: BlockKernel = _CPU
+        kernel: BlockKernel = _CPU_PACKED if varlen else _CPU
     elif device_type == "cuda" and dtype != torch.float64 and efficient_supports(dtype, *head_dims):
         cuda = kernels or _cuda()
-        kernel = cuda.masked
+        kernel = cuda.packed if varlen else cuda.masked
         # Stand-in kernels (tests on CPU tensors) skip the device's capability.
         capable = kernels is not None or _flash_capable(torch.cuda.current_device())
         flash = capable and flash_supports(dtype, *head_dims)

@@ -6,7 +6,9 @@ natural log, in `lse_dtype(q.dtype)`. `allowed` is an optional boolean `[bs or 1
 the varlen form of a packed block (`segments.Segments`; mask kernels turn it into a mask); `causal` is only ever
 asked of square blocks, so top-left vs bottom-right alignment never matters. A row without any visible key comes
 back with out 0 and LSE -inf from every kernel (`clear_empty_rows`), so the merge adds nothing for it. The
-backward takes the *global* out and LSE (the merged ones), which makes each block's gradients exact partial sums.
+backward takes the *global* out and LSE (the merged ones), which makes each block's gradients exact partial sums;
+the mask kernels (the only ones a row without keys can reach) read a row whose global LSE is -inf, one that saw no
+key anywhere, as +inf (`backward_lse`), which gives it zero gradients instead of NaN.
 """
 
 from __future__ import annotations
@@ -56,11 +58,28 @@ class BlockKernel(Protocol):
     ) -> Grads: ...
 
 
+def no_segments(segments: Segments | None) -> None:
+    """Refuse a packed block on a kernel that would have to build its dense mask (`loop.segment_loop` runs one)."""
+    if segments is not None:
+        raise ValueError("A packed block reached a mask kernel: run it segment by segment (lse.loop.segment_loop).")
+
+
 def dense_mask(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, segments: Segments | None):
-    """The boolean mask a mask kernel applies: `allowed`, or the one the varlen segments stand for."""
+    """The boolean mask the math kernel applies: `allowed`, or the one the varlen segments stand for."""
     if allowed is None and segments is not None:
         return segments.mask(q.shape[0], q.shape[2], k.shape[2])
     return allowed
+
+
+def backward_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The merged LSE as a mask kernel's backward takes it: -inf (a row that saw no key in any block) as +inf.
+
+    The backward recomputes P = exp(s - LSE) with s = -inf on masked pairs: -inf - (-inf) is NaN (measured on
+    torch's CPU flash backward; the memory-efficient kernel computes the same `exp(s - lse)`, kernel_backward.h),
+    which spreads into that row's dq and every dk/dv it touches. With +inf every P of the row is 0 and so are its
+    gradients (the efficient kernel pads its LSE with +inf for the same reason). No plan produces such a row
+    today (every query sees itself); a future mask could."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def clear_empty_rows(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_longctx.attention.lse.contract import clear_empty_rows, dense_mask, lse_dtype
+from hf_longctx.attention.lse.contract import backward_lse, clear_empty_rows, dense_mask, lse_dtype, no_segments
 
 
 def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -32,7 +32,7 @@ class CpuFlashKernel:
     name = "cpu_flash"
 
     def forward(self, q, k, v, *, causal, allowed, scale, segments=None):
-        allowed = dense_mask(q, k, allowed, segments)
+        no_segments(segments)
         dv, d = v.shape[-1], max(q.shape[-1], v.shape[-1])
         q, k, v = (_pad_last(t.contiguous(), d) for t in (q, k, v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -41,11 +41,11 @@ class CpuFlashKernel:
         return clear_empty_rows(out[..., :dv], lse.to(lse_dtype(q.dtype)).contiguous(), allowed)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
-        allowed = dense_mask(q, k, allowed, segments)
+        no_segments(segments)
         dq_size, dv, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
         q, k, v, out, dout = (_pad_last(t.contiguous(), d) for t in (q, k, v, out, dout))
         # The backward wants the LSE in the dtype its forward returns (float32 below float64).
-        lse = lse.to(lse_dtype(q.dtype)).contiguous()
+        lse = backward_lse(lse.to(lse_dtype(q.dtype))).contiguous()
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(allowed, q.dtype), scale=scale
         )

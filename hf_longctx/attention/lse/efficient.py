@@ -22,7 +22,9 @@ attention_backward.cu):
   num_heads` (`o_strideM()`), whatever its real strides: only `[B, M, H, K]`-dense memory is read right
   (`bmhk_out`). An `out` contiguous as `[B, H, M, K]` is read from the wrong rows and past its end: the silently
   wrong and NaN ring gradients measured on an H200 (2026-12-04).
-- a fully masked row gets LSE 0 and out 0 (kernel_forward.h); `clear_empty_rows` makes them -inf and 0.
+- a fully masked row gets LSE 0 and out 0 (kernel_forward.h); `clear_empty_rows` makes them -inf and 0. In the
+  backward a row whose merged LSE is -inf (no key in any block) would give exp(-inf - (-inf)) = NaN: it is handed
+  over as +inf (`contract.backward_lse`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from hf_longctx.attention.lse.contract import clear_empty_rows, dense_mask
+from hf_longctx.attention.lse.contract import backward_lse, clear_empty_rows, no_segments
 
 BIAS_ALIGNMENT = 16  # elements per bias row, as SDPA pads them
 LSE_ALIGNMENT = 32  # kAlignLSE: the forward's LSE length is a multiple of it
@@ -60,11 +62,12 @@ def aligned_bias(allowed: torch.Tensor, dtype: torch.dtype, batch: int, heads: i
 
 
 def padded_lse(lse: torch.Tensor) -> torch.Tensor:
-    """`lse` `[B, H, M]` in the forward's layout: a fresh float32 `[B, H, ceil(M / 32) * 32]` buffer, +inf padded."""
+    """`lse` `[B, H, M]` in the forward's layout: a fresh float32 `[B, H, ceil(M / 32) * 32]` buffer, +inf padded;
+    a row that saw no key anywhere (-inf) as +inf too (`contract.backward_lse`: zero gradients, not NaN)."""
     m = lse.shape[-1]
     size = (*lse.shape[:-1], -(-m // LSE_ALIGNMENT) * LSE_ALIGNMENT)
     out = torch.full(size, math.inf, dtype=torch.float32, device=lse.device)
-    out[..., :m] = lse
+    out[..., :m] = backward_lse(lse)
     return out
 
 
@@ -100,7 +103,7 @@ class EfficientKernel:
         self._ops = ops if ops is not None else torch.ops.aten
 
     def forward(self, q, k, v, *, causal, allowed, scale, segments=None):
-        allowed = dense_mask(q, k, allowed, segments)
+        no_segments(segments)
         bias = None if allowed is None else aligned_bias(allowed, q.dtype, *q.shape[:2])
         out, lse, _, _ = self._ops._scaled_dot_product_efficient_attention(
             q.contiguous(), _expand_kv(q, k).contiguous(), _expand_kv(q, v).contiguous(), bias, True, 0.0, causal,
@@ -109,7 +112,7 @@ class EfficientKernel:
         return clear_empty_rows(out, lse[..., : q.shape[2]].float().contiguous(), allowed)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
-        allowed = dense_mask(q, k, allowed, segments)
+        no_segments(segments)
         bias = None if allowed is None else aligned_bias(allowed, q.dtype, *q.shape[:2])
         seed = offset = torch.zeros((), dtype=torch.int64)  # read only with dropout (a CPU scalar, as torch's own)
         gq, gk, gv, _ = self._ops._scaled_dot_product_efficient_attention_backward(

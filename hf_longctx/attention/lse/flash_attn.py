@@ -150,7 +150,7 @@ def flash_varlen_kernel(fwd: Callable[..., Any], bwd: Callable[..., Any], name: 
             k=k,
             v=v,
             out=out,
-            softmax_lse=lse,
+            softmax_lse=lse.float().contiguous(),  # read by data pointer as contiguous float32 [H, T]
             dq=dq,
             dk=dk,
             dv=dv,

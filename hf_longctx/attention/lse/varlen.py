@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from hf_longctx.attention.lse.contract import lse_dtype
+
 
 def tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """[bs, h, n, d] -> the listed tokens of the row-major (b, n) numbering, [T, h, d] (contiguous)."""
@@ -30,8 +32,9 @@ class VarlenKernel:
     """A varlen kernel on a block's `Segments`.
 
     `call_fwd(q, k, v, segments, scale) -> (out [Tq, hc, dv], lse [hc, Tq])` and
-    `call_bwd(dout, q, k, v, out, lse [hc, Tq] contiguous float32, segments, scale) -> (dq, dk, dv)`, tokens-first.
-    dk/dv come back in float32: a key listed in several segments gets their sum.
+    `call_bwd(dout, q, k, v, out, lse [hc, Tq] contiguous, segments, scale) -> (dq, dk, dv)`, tokens-first; LSE
+    and the dk/dv sums in `lse_dtype` (float32, float64 for float64 inputs: a key listed in several segments
+    gets their sum).
     """
 
     def __init__(self, name: str, call_fwd: Callable[..., Any], call_bwd: Callable[..., Any]) -> None:
@@ -44,18 +47,19 @@ class VarlenKernel:
         qt, kt, vt = tokens(q, segments.q_tokens), tokens(k, segments.k_tokens), tokens(v, segments.k_tokens)
         out_t, lse_t = self._call_fwd(qt, kt, vt, segments, scale)
         out = untokens(out_t[..., : v.shape[-1]], segments.q_tokens, bs, nr)
-        lse = torch.full((hc, bs * nr), float("-inf"), dtype=torch.float32, device=q.device)
-        lse.index_copy_(1, segments.q_tokens, lse_t.float())
+        lse = torch.full((hc, bs * nr), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+        lse.index_copy_(1, segments.q_tokens, lse_t.to(lse.dtype))
         return out, lse.view(hc, bs, nr).transpose(0, 1).contiguous()
 
     def backward(self, dout, q, k, v, out, lse, *, causal, allowed, scale, segments=None):
         bs, hc, nr = q.shape[:3]
         qi, ki = segments.q_tokens, segments.k_tokens
-        lse_t = lse.float().transpose(0, 1).reshape(hc, -1).index_select(1, qi).contiguous()
+        acc = lse_dtype(q.dtype)
+        lse_t = lse.to(acc).transpose(0, 1).reshape(hc, -1).index_select(1, qi).contiguous()
         grads = self._call_bwd(
             tokens(dout, qi), tokens(q, qi), tokens(k, ki), tokens(v, ki), tokens(out, qi), lse_t, segments, scale
         )
-        nc, acc = k.shape[2], torch.float32  # a key's pieces from several segments are summed in float32
+        nc = k.shape[2]  # a key's pieces from several segments are summed in `acc`
         return untokens(grads[0], qi, bs, nr), untokens(grads[1], ki, bs, nc, acc), untokens(grads[2], ki, bs, nc, acc)
 
 

@@ -13,6 +13,11 @@ L returns exact partial gradients; dQ sums them locally, dK/dV travel with their
 accumulator ("p2p": one hop per step, the last hop delivers it to its owner) or are summed by a
 reduce-scatter ("allgather"). Only local q, k, v, the merged O and L are saved; K/V blocks are
 communicated again in backward instead of being kept (O(S) memory per layer otherwise).
+
+Precision in bf16 / fp16: every block kernel returns its output and its dq / dk / dv piece rounded to the input
+dtype, so beyond the whole-row kernel's own error a gradient element carries at most `u * sum_j |g_j|` (its exact
+pieces g_j from the ring's blocks; at most `P u max_j |g_j|`; u = 2^-8 in bf16, 2^-11 in fp16) and an output element
+`u * max |V|`; tests/unit/test_ring_numerics.py holds P = 2, 4 and 8 to that bound.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from hf_longctx.attention.lse.choose import select_kernel
 from hf_longctx.attention.lse.contract import lse_dtype
 from hf_longctx.attention.lse.merge import merge_block
-from hf_longctx.attention.ring.plan import BlockPlan
+from hf_longctx.attention.ring.block import BlockPlan
 from hf_longctx.distributed.ring_comm import RingComm
 from hf_longctx.instrument.measure import CollectiveStats, active_recorder
 
@@ -44,10 +49,10 @@ def check_variant(variant: str) -> None:
 class RingSpec:
     """Everything the autograd function needs besides tensors (no hidden state between calls).
 
-    `plans[i]` is the plan of this rank's queries against ring rank i's keys (None: skip)."""
+    `plans[i]` are the kernel calls of this rank's queries against ring rank i's keys (none: skip)."""
 
     comm: RingComm
-    plans: tuple[BlockPlan | None, ...]
+    plans: tuple[tuple[BlockPlan, ...], ...]
     scale: float
     variant: str = "p2p"
 
@@ -95,20 +100,19 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [bs, hc, sl]
         kv = _KV(k.shape, v.shape)
         for src, flat in _blocks(kv.pack(k, v), spec, stats):
-            plan = spec.plans[src]
-            if plan is None:
-                continue
             kb, vb = kv.unpack(flat)
-            block_out, block_lse = _kernel(q, v, plan).forward(
-                q[:, :, plan.rows],
-                kb[:, :, plan.cols],
-                vb[:, :, plan.cols],
-                causal=plan.causal,
-                allowed=plan.allowed,
-                scale=spec.scale,
-                segments=plan.segments,
-            )
-            merge_block(out, lse, block_out, block_lse, plan.rows)
+            for plan in spec.plans[src]:
+                b = plan.batch_rows
+                block_out, block_lse = _kernel(q, v, plan).forward(
+                    q[b, :, plan.rows],
+                    kb[b, :, plan.cols],
+                    vb[b, :, plan.cols],
+                    causal=plan.causal,
+                    allowed=plan.allowed,
+                    scale=spec.scale,
+                    segments=plan.segments,
+                )
+                merge_block(out[b], lse[b], block_out, block_lse, plan.rows)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.stats = spec, stats
@@ -122,33 +126,32 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = _KV(k.shape, v.shape)
 
-        def block_grads(src: int, flat: torch.Tensor):
-            plan = spec.plans[src]
-            if plan is None:
-                return None
+        def block_grads(src: int, flat: torch.Tensor) -> list:
             kb, vb = kv.unpack(flat)
-            r, c = plan.rows, plan.cols
-            grads = _kernel(q, v, plan).backward(
-                dout[:, :, r],
-                q[:, :, r],
-                kb[:, :, c],
-                vb[:, :, c],
-                out[:, :, r],
-                lse[:, :, r],
-                causal=plan.causal,
-                allowed=plan.allowed,
-                scale=spec.scale,
-                segments=plan.segments,
-            )
-            dq[:, :, r] += grads[0]
-            return plan, grads
+            results = []
+            for plan in spec.plans[src]:
+                b, r, c = plan.batch_rows, plan.rows, plan.cols
+                grads = _kernel(q, v, plan).backward(
+                    dout[b, :, r],
+                    q[b, :, r],
+                    kb[b, :, c],
+                    vb[b, :, c],
+                    out[b, :, r],
+                    lse[b, :, r],
+                    causal=plan.causal,
+                    allowed=plan.allowed,
+                    scale=spec.scale,
+                    segments=plan.segments,
+                )
+                dq[b, :, r] += grads[0]
+                results.append((plan, grads))
+            return results
 
-        def add_kv_grads(acc_flat: torch.Tensor, result) -> None:
-            if result is not None:
-                plan, (_, gk, gv) = result
-                dk_acc, dv_acc = kv.unpack(acc_flat)
-                dk_acc[:, :, plan.cols] += gk
-                dv_acc[:, :, plan.cols] += gv
+        def add_kv_grads(acc_flat: torch.Tensor, results: list) -> None:
+            dk_acc, dv_acc = kv.unpack(acc_flat)
+            for plan, (_, gk, gv) in results:
+                dk_acc[plan.batch_rows, :, plan.cols] += gk
+                dv_acc[plan.batch_rows, :, plan.cols] += gv
 
         if spec.variant == "allgather":
             # All blocks' dK/dV land in one [R, k + v] fp32 buffer; block i is summed onto rank i.

@@ -1,46 +1,65 @@
-"""The pure half of ring attention: which query rows meet which keys.
+"""The pure half of ring attention: which query rows meet which keys, as kernel calls (`BlockPlan`s).
 
 A ring rank holds the tokens at global positions `q_index` (increasing); at some step it holds the
 keys of another ring rank, at positions `k_index`. Query i may see key j when j <= i, both belong to
-the same packed document, and (optionally) j is inside i's sliding window and the same position
-chunk (chunked attention). `plan_block` turns that rule into the smallest kernel call: nothing
-(skip), a crop of rows and columns that is fully visible, a square causal crop (the kernel's causal
-flag), or a crop plus a boolean mask. Crops make zigzag's balanced half-blocks fall out by themselves.
-Packed documents alone (no window, no chunk) are planned from document runs in O(n), never from a
-dense mask: each block becomes varlen `Segments` (one per batch row and run of a document's queries that meets
-keys in the block), which CUDA runs with a varlen flash kernel and the CPU kernels turn into a mask. The blocks'
-(out, LSE) are merged by `attention/lse/merge.py`.
+the same packed document and the same chunk of positions (chunked attention), and (optionally) j is
+inside i's sliding window. `plan_block` turns that rule into the fewest small kernel calls, never from a
+dense `[block, block]` mask: plain causal blocks become a crop of rows and columns that is fully visible or
+a square causal crop (the kernel's causal flag), which makes zigzag's balanced half-blocks fall out by
+themselves; packed documents and chunks are planned from runs of segment ids in O(n), each block as varlen
+`Segments` (one per batch row and run of a segment's queries that meets keys in the block), which CUDA runs
+with a varlen flash kernel and the other kernels segment by segment (`lse/loop.py`); a sliding window as
+tiles of rows against the keys they see (`band.py`). The blocks' (out, LSE) are merged by
+`attention/lse/merge.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from hf_longctx.attention.lse.segments import Segments
+from hf_longctx.attention.ring.band import plan_band
+from hf_longctx.attention.ring.block import BlockPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class VisibilityRule:
     """Who may attend to whom, on global positions of one forward's (padded) batch.
 
     `doc_ids` `[bs, sl]` is None when every row is one document, else non-decreasing along each row
     (a cumulative count of document starts); `position_ids` are needed only for `chunk` (chunk
-    membership follows positions, which restart per document)."""
+    membership follows positions, which restart per document). `tile_rows`: rows per windowed tile
+    (default `blocks.band_rows(window)`)."""
 
     doc_ids: torch.Tensor | None
     window: int | None = None
     chunk: int | None = None
     position_ids: torch.Tensor | None = None
+    tile_rows: int | None = None
 
     @property
     def simple(self) -> bool:
         """Plain causal over one document per row: blocks are planned from index ranges alone."""
         return self.doc_ids is None and self.window is None and self.chunk is None
 
+    @cached_property
+    def segment_ids(self) -> torch.Tensor | None:
+        """`[bs, sl]` non-decreasing id of each token's segment (its document, cut at every multiple of `chunk`
+        positions, as transformers' chunked masks), or None for one segment per row."""
+        if self.chunk is None:
+            return self.doc_ids
+        starts = self.position_ids % self.chunk == 0
+        starts[:, 0] = True
+        if self.doc_ids is not None:
+            starts[:, 1:] |= self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
+        return starts.long().cumsum(dim=1)
+
     def allowed(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
-        """Boolean `[bs or 1, nq, nk]`: query `q_index[i]` may see key `k_index[j]`."""
+        """Boolean `[bs or 1, nq, nk]`: query `q_index[i]` may see key `k_index[j]`. Dense: for references, and
+        for the crop of a plain causal block in a layout whose crops are neither full nor square."""
         ok = (k_index[None, :] <= q_index[:, None]).unsqueeze(0)
         if self.window is not None:
             ok = ok & ((q_index[:, None] - k_index[None, :]) < self.window).unsqueeze(0)
@@ -53,79 +72,37 @@ class VisibilityRule:
         return ok
 
 
-@dataclass(frozen=True)
-class BlockPlan:
-    """One kernel call: queries `rows` of the local block against keys `cols` of the source block.
+def plan_block(q_index: torch.Tensor, k_index: torch.Tensor, rule: VisibilityRule) -> tuple[BlockPlan, ...]:
+    """Plan queries at `q_index` (increasing) against keys at `k_index` (increasing); no plan = skip.
 
-    `allowed` `[bs or 1, 1, nrows, ncols]` is set only when neither "all visible" nor "square causal"
-    describes the crop, and `segments` instead of it for packed documents. Rows of the crop that see no key come
-    back from every kernel with out 0 and LSE -inf (`attention/lse/contract.py`)."""
-
-    rows: slice
-    cols: slice
-    causal: bool
-    allowed: torch.Tensor | None = field(default=None, repr=False)
-    segments: Segments | None = field(default=None, repr=False)
-
-    @property
-    def masked(self) -> bool:
-        """Whether the kernel needs more than the causal flag (a mask or varlen segments)."""
-        return self.allowed is not None or self.segments is not None
-
-    def mask(self, bs: int) -> torch.Tensor | None:
-        """The dense boolean mask of a masked block (built from the segments when planned as such)."""
-        if self.segments is None:
-            return self.allowed
-        n, m = self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
-        return self.segments.mask(bs, n, m)
-
-    @property
-    def pairs(self) -> int:
-        """Query-key pairs the kernel computes (half of the square for a causal crop)."""
-        n, m = self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
-        return n * (n + 1) // 2 if self.causal else n * m
-
-
-def _span(mask: torch.Tensor) -> slice:
-    hits = torch.nonzero(mask).flatten()
-    return slice(int(hits[0]), int(hits[-1]) + 1)
-
-
-def plan_block(q_index: torch.Tensor, k_index: torch.Tensor, rule: VisibilityRule) -> BlockPlan | None:
-    """Plan queries at `q_index` (increasing) against keys at `k_index` (increasing); None = skip."""
+    Raises:
+        ValueError: segment ids that decrease along a row (they are cumulative counts of segment starts).
+    """
     if rule.simple:
-        # Visible iff k <= q: a suffix of the queries meets a prefix of the keys, O(n) to plan.
-        lo_k, hi_q = int(k_index[0]), int(q_index[-1])
-        if lo_k > hi_q:
-            return None
-        rows = slice(int(torch.searchsorted(q_index, lo_k)), q_index.numel())
-        cols = slice(0, int(torch.searchsorted(k_index, hi_q, right=True)))
-        q, k = q_index[rows], k_index[cols]
-        if int(k[-1]) <= int(q[0]):
-            return BlockPlan(rows, cols, causal=False)
-        if q.numel() == k.numel() and bool(torch.equal(q, k)):
-            return BlockPlan(rows, cols, causal=True)
-        return BlockPlan(rows, cols, causal=False, allowed=rule.allowed(q, k).unsqueeze(1))
-    if rule.window is None and rule.chunk is None:
-        planned = _plan_documents(q_index, k_index, rule.doc_ids)
-        if planned is not _PARTIAL:
-            return planned
-    allowed = rule.allowed(q_index, k_index)
-    if not bool(allowed.any()):
+        plan = _plan_causal(q_index, k_index, rule)
+        return () if plan is None else (plan,)
+    segment_ids = rule.segment_ids
+    if segment_ids is not None and bool((segment_ids[:, 1:] < segment_ids[:, :-1]).any()):
+        raise ValueError("VisibilityRule: document / segment ids must be non-decreasing along every row.")
+    if rule.window is not None:
+        return plan_band(q_index, k_index, segment_ids, rule.window, rule.tile_rows)
+    plan = _plan_documents(q_index, k_index, segment_ids)
+    return () if plan is None else (plan,)
+
+
+def _plan_causal(q_index: torch.Tensor, k_index: torch.Tensor, rule: VisibilityRule) -> BlockPlan | None:
+    """Visible iff k <= q: a suffix of the queries meets a prefix of the keys, O(n) to plan."""
+    lo_k, hi_q = int(k_index[0]), int(q_index[-1])
+    if lo_k > hi_q:
         return None
-    rows, cols = _span(allowed.any(-1).any(0)), _span(allowed.any(1).any(0))
-    crop = allowed[:, rows, cols]
-    if bool(crop.all()):
-        return BlockPlan(rows, cols, causal=False)
+    rows = slice(int(torch.searchsorted(q_index, lo_k)), q_index.numel())
+    cols = slice(0, int(torch.searchsorted(k_index, hi_q, right=True)))
     q, k = q_index[rows], k_index[cols]
+    if int(k[-1]) <= int(q[0]):
+        return BlockPlan(rows, cols, causal=False)
     if q.numel() == k.numel() and bool(torch.equal(q, k)):
-        tril = torch.ones(q.numel(), q.numel(), dtype=torch.bool, device=crop.device).tril()
-        if bool((crop == tril).all()):
-            return BlockPlan(rows, cols, causal=True)
-    return BlockPlan(rows, cols, causal=False, allowed=crop.unsqueeze(1))
-
-
-_PARTIAL = object()  # document ids that are not a cumulative count: the dense rule decides
+        return BlockPlan(rows, cols, causal=True)
+    return BlockPlan(rows, cols, causal=False, allowed=rule.allowed(q, k).unsqueeze(1))
 
 
 def _runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,16 +141,14 @@ def _document_pairs(q_index: torch.Tensor, k_index: torch.Tensor, dq: torch.Tens
     return qs, qe, ks, ke
 
 
-def _plan_documents(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor):
-    """Plan packed documents from runs of document ids: a `BlockPlan`, None (skip) or `_PARTIAL`.
+def _plan_documents(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor) -> BlockPlan | None:
+    """Plan packed documents (or chunks) from runs of non-decreasing segment ids: a `BlockPlan` or None (skip).
 
     Exact for any two ring blocks: the diagonal block (the same positions) or disjoint position sets."""
     diagonal = q_index.numel() == k_index.numel() and bool(torch.equal(q_index, k_index))
     pairs = []  # per batch row: (q starts, q ends, k starts, k ends) of the segments
     for b in range(doc.shape[0]):
         dq, dk = doc[b, q_index], doc[b, k_index]
-        if bool((dq[1:] < dq[:-1]).any()) or bool((dk[1:] < dk[:-1]).any()):
-            return _PARTIAL
         pairs.append(_document_pairs(q_index, k_index, dq, dk, diagonal))
     if not any(p[0].numel() for p in pairs):
         return None
@@ -200,6 +175,7 @@ def _plan_documents(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Ten
     return BlockPlan(rows, cols, causal=False, segments=segments)
 
 
-def plan_ring(indices: list[torch.Tensor], rank: int, rule: VisibilityRule) -> tuple[BlockPlan | None, ...]:
-    """Plans of ring rank `rank` against every ring rank's keys; `indices[i]` = ring rank i's positions."""
+def plan_ring(indices: list[torch.Tensor], rank: int, rule: VisibilityRule) -> tuple[tuple[BlockPlan, ...], ...]:
+    """Plans of ring rank `rank` against every ring rank's keys (`()`: skip); `indices[i]` = ring rank i's
+    positions."""
     return tuple(plan_block(indices[rank], indices[src], rule) for src in range(len(indices)))

@@ -57,25 +57,24 @@ def virtual_ring(
         ql, dol = q[:, :, idx[rank]], dout[:, :, idx[rank]]
         out = torch.zeros(ql.shape, dtype=lse_dtype(q.dtype), device=q.device)
         lse = torch.full(ql.shape[:-1], float("-inf"), dtype=out.dtype, device=q.device)
-        for src, plan in enumerate(plans):
-            if plan is not None:
-                kb, vb = k[:, :, idx[src]][:, :, plan.cols], v[:, :, idx[src]][:, :, plan.cols]
-                o, lb = kernel_for(ql, plan).forward(
-                    ql[:, :, plan.rows], kb, vb, causal=plan.causal, allowed=plan.allowed, scale=scale,
-                    segments=plan.segments,
-                )  # fmt: skip
-                merge_block(out, lse, o, lb, plan.rows)
+        for src, plan in ((src, p) for src, parts in enumerate(plans) for p in parts):
+            b = plan.batch_rows
+            kb, vb = k[b][:, :, idx[src]][:, :, plan.cols], v[b][:, :, idx[src]][:, :, plan.cols]
+            o, lb = kernel_for(ql, plan).forward(
+                ql[b, :, plan.rows], kb, vb, causal=plan.causal, allowed=plan.allowed, scale=scale,
+                segments=plan.segments,
+            )  # fmt: skip
+            merge_block(out[b], lse[b], o, lb, plan.rows)
         out = out.to(q.dtype)  # what the ring saves for backward
         outs[:, :, idx[rank]] = out.to(outs.dtype)
-        for src, plan in enumerate(plans):
-            if plan is not None:
-                r, c = plan.rows, plan.cols
-                kb, vb = k[:, :, idx[src]][:, :, c], v[:, :, idx[src]][:, :, c]
-                gq, gk, gv = kernel_for(ql, plan).backward(
-                    dol[:, :, r], ql[:, :, r], kb, vb, out[:, :, r], lse[:, :, r],
-                    causal=plan.causal, allowed=plan.allowed, scale=scale, segments=plan.segments,
-                )  # fmt: skip
-                dq[:, :, idx[rank][r]] += gq
-                dk[:, :, idx[src][c]] += gk
-                dv[:, :, idx[src][c]] += gv
+        for src, plan in ((src, p) for src, parts in enumerate(plans) for p in parts):
+            b, r, c = plan.batch_rows, plan.rows, plan.cols
+            kb, vb = k[b][:, :, idx[src]][:, :, c], v[b][:, :, idx[src]][:, :, c]
+            gq, gk, gv = kernel_for(ql, plan).backward(
+                dol[b, :, r], ql[b, :, r], kb, vb, out[b, :, r], lse[b, :, r],
+                causal=plan.causal, allowed=plan.allowed, scale=scale, segments=plan.segments,
+            )  # fmt: skip
+            dq[b, :, idx[rank][r]] += gq
+            dk[b, :, idx[src][c]] += gk
+            dv[b, :, idx[src][c]] += gv
     return outs, dq, dk, dv
