@@ -40,6 +40,8 @@ def _config(kind: str):
             attn_scale=0.5,
             layer_types=["full_attention", "full_attention"],
             max_position_embeddings=512,
+            # Llama 4's forward adds no router loss; with a coefficient TRL would add Mixtral's (refused under SP).
+            router_aux_loss_coef=0.0,
         )
     raise ValueError(f"unknown kind {kind!r}")
 

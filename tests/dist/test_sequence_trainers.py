@@ -33,6 +33,7 @@ SFT = {
     # Packed rows: the reference keeps documents apart with hf_longctx's attention on one rank (see run_sft).
     "moe_pack": {"model_kind": MOE, "steps": 3, "packing": True, "data": ("plain", 24)},
     "dynamic_pack": {"model_kind": "dynamic", "steps": 3, "packing": True, "data": ("plain", 24)},
+    "temperature": {"model_kind": "temperature", "steps": 3},
 }
 NEFTUNE_ALPHA = 5.0
 
@@ -99,7 +100,11 @@ PLANS = {
     "sp2": (
         2,
         {
-            "trainer": {**{k: {**c, "sp": 2} for k, c in TRAINER.items()}, "ddp_moe": TRAINER["moe"]},
+            # ddp_*: plain DDP over the 2 ranks, the references of DP=2 x SP=2.
+            "trainer": {
+                **{k: {**c, "sp": 2} for k, c in TRAINER.items()},
+                **{f"ddp_{k}": TRAINER[k] for k in ("moe", "dynamic", "temperature")},
+            },
             "sft": {k: {**c, "sp": 2} for k, c in SFT.items()},
             "neftune": True,
         },
@@ -109,9 +114,10 @@ PLANS = {
         {
             "trainer": {
                 **{k: {**TRAINER[k], "sp": 4} for k in ("moe", "dynamic", "temperature")},
-                "dpsp_moe": {**TRAINER["moe"], "sp": 2},
+                **{f"dpsp_{k}": {**TRAINER[k], "sp": 2} for k in ("moe", "dynamic", "temperature")},
             },
-            "sft": {k: {**SFT[k], "sp": 4} for k in ("moe", "dynamic_pack")},
+            "sft": {k: {**SFT[k], "sp": 4} for k in ("moe", "dynamic_pack", "temperature")},
+            "neftune": True,
         },
     ),
     # DeepSpeed ZeRO-3, SP=2: one engine per process (a second ZeRO-3 trainer in the same process trains differently
@@ -159,9 +165,9 @@ def test_sp4_and_dp2_x_sp2(out_root):
     for rank in _plan("sp4", out_root):
         for name in ("moe", "dynamic", "temperature"):
             _match(rank[f"trainer/{name}"], ref[f"trainer/{name}"], ("loss", "grad_norm"))
-        for name in ("moe", "dynamic_pack"):
+            _match(rank[f"trainer/dpsp_{name}"], ddp[f"trainer/ddp_{name}"], ("loss", "grad_norm"))
+        for name in ("moe", "dynamic_pack", "temperature"):
             _match(rank[f"sft/{name}"], ref[f"sft/{name}"], U.SFT_KEYS)
-        _match(rank["trainer/dpsp_moe"], ddp["trainer/ddp_moe"], ("loss", "grad_norm"))
 
 
 @pytest.mark.slow
@@ -176,8 +182,16 @@ def test_zero3_sp2(plan, key, keys, out_root):
         _match(rank[key], want, keys)
 
 
-def test_neftune_noise_scale_is_the_whole_rows(out_root):
+def _check_neftune(results: list[list[float]]) -> None:
     """Uniform noise in [-m, m]: its largest value over thousands of draws is within a few per cent of m."""
-    for ratios in (_plan("ref", out_root)[0]["neftune"], *[r["neftune"] for r in _plan("sp2", out_root)]):
-        for ratio in ratios:
-            assert 0.95 <= ratio <= 1.0 + 1e-5, ratios
+    for ratios in results:
+        assert len(ratios) == 3 and all(0.95 <= ratio <= 1.0 + 1e-5 for ratio in ratios), ratios
+
+
+def test_neftune_noise_scale_is_the_whole_rows(out_root):
+    _check_neftune([_plan("ref", out_root)[0]["neftune"], *[r["neftune"] for r in _plan("sp2", out_root)]])
+
+
+@pytest.mark.slow
+def test_neftune_noise_scale_sp4(out_root):
+    _check_neftune([r["neftune"] for r in _plan("sp4", out_root)])
