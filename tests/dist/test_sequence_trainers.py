@@ -33,9 +33,9 @@ SFT = {
     # Packed rows: the reference keeps documents apart with hf_longctx's attention on one rank (see run_sft).
     "moe_pack": {"model_kind": MOE, "steps": 3, "packing": True, "data": ("plain", 24)},
     "dynamic_pack": {"model_kind": "dynamic", "steps": 3, "packing": True, "data": ("plain", 24)},
-    "temperature": {"model_kind": "temperature", "steps": 3},
-}
+}  # (TRL 1.16's fused LM head cannot run Llama4ForCausalLM, SP or not: its backbone returns the causal-LM output)
 NEFTUNE_ALPHA = 5.0
+DDP = ("moe", "temperature")  # DP=2 x SP=2 against DP=2
 
 
 def _neftune(out_dir: str, sp: int) -> list[float]:
@@ -100,10 +100,12 @@ PLANS = {
     "sp2": (
         2,
         {
-            # ddp_*: plain DDP over the 2 ranks, the references of DP=2 x SP=2.
+            # ddp_*: plain DDP over the 2 ranks, the references of DP=2 x SP=2. (Not dynamic RoPE: DDP broadcasts
+            # buffers, and dynamic RoPE re-registers its own from each rank's batch: a gloo size mismatch at the
+            # third step of plain DDP already, without hf_longctx.)
             "trainer": {
                 **{k: {**c, "sp": 2} for k, c in TRAINER.items()},
-                **{f"ddp_{k}": TRAINER[k] for k in ("moe", "dynamic", "temperature")},
+                **{f"ddp_{k}": TRAINER[k] for k in DDP},
             },
             "sft": {k: {**c, "sp": 2} for k, c in SFT.items()},
             "neftune": True,
@@ -114,9 +116,9 @@ PLANS = {
         {
             "trainer": {
                 **{k: {**TRAINER[k], "sp": 4} for k in ("moe", "dynamic", "temperature")},
-                **{f"dpsp_{k}": {**TRAINER[k], "sp": 2} for k in ("moe", "dynamic", "temperature")},
+                **{f"dpsp_{k}": {**TRAINER[k], "sp": 2} for k in DDP},
             },
-            "sft": {k: {**SFT[k], "sp": 4} for k in ("moe", "dynamic_pack", "temperature")},
+            "sft": {k: {**SFT[k], "sp": 4} for k in ("moe", "dynamic_pack")},
             "neftune": True,
         },
     ),
@@ -165,8 +167,9 @@ def test_sp4_and_dp2_x_sp2(out_root):
     for rank in _plan("sp4", out_root):
         for name in ("moe", "dynamic", "temperature"):
             _match(rank[f"trainer/{name}"], ref[f"trainer/{name}"], ("loss", "grad_norm"))
+        for name in DDP:
             _match(rank[f"trainer/dpsp_{name}"], ddp[f"trainer/ddp_{name}"], ("loss", "grad_norm"))
-        for name in ("moe", "dynamic_pack", "temperature"):
+        for name in ("moe", "dynamic_pack"):
             _match(rank[f"sft/{name}"], ref[f"sft/{name}"], U.SFT_KEYS)
 
 
