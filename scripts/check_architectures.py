@@ -65,7 +65,13 @@ EXTRA = {
     },
     "llama4_text": {"attention_chunk_size": 16, "num_local_experts": 2, "intermediate_size_mlp": 128},
     "phi3": {**_LONGROPE, "max_position_embeddings": 131072},
-    "phimoe": {**_LONGROPE, "max_position_embeddings": 131072, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # PhiMoE's rotary also picks an mscale from the largest position (short 1.0, long 1.2 in Phi-3.5-MoE).
+    "phimoe": {
+        "rope_parameters": {**_LONGROPE["rope_parameters"], "short_mscale": 1.0, "long_mscale": 1.2},
+        "max_position_embeddings": 131072,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
     "gemma2": {"sliding_window": 16},
     "gemma3_text": {"sliding_window": 16},
     "mistral": {"sliding_window": 16},
