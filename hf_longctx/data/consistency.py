@@ -64,14 +64,17 @@ def _raise_on_mismatch(
     return None if extra is None else [row[n:] for row in rows]
 
 
-def check_batch_consistency(batch: Mapping[str, Any], groups: SequenceParallelGroups) -> None:
-    """Raise on every rank when the SP ranks of a group do not hold the same full batch.
+def check_batch_consistency(
+    batch: Mapping[str, Any], groups: SequenceParallelGroups, signature: torch.Tensor | None = None
+) -> None:
+    """Raise on every rank when the SP ranks of a group do not hold the same full batch (`signature`: the
+    batch's `batch_signature`, when the caller has it already).
 
     Raises:
         ValueError: naming which property differs and each rank's value.
     """
     if groups.sp_enabled:
-        _raise_on_mismatch(batch_signature(batch), _SIGNATURE_FIELDS, groups)
+        _raise_on_mismatch(batch_signature(batch) if signature is None else signature, _SIGNATURE_FIELDS, groups)
 
 
 def check_shard_consistency(
@@ -146,8 +149,8 @@ def shard_batch(
         ValueError: the ranks disagree on the batch, left padding, or a malformed batch.
     """
     signature = batch_signature(batch)
-    if check and groups.sp_enabled:
-        _raise_on_mismatch(signature, _SIGNATURE_FIELDS, groups)
+    if check:
+        check_batch_consistency(batch, groups, signature)
     layout = groups.layout
     shard = shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id, layout=layout)
     if groups.sp_enabled:

@@ -16,12 +16,9 @@ _SWAPPED_ATTR = "_hf_longctx_neftune_hook_id"
 
 
 def _embeddings(model: Any) -> Any:
-    # Where transformers' `activate_neftune` puts its hook.
-    return (
-        model.base_model.model.get_input_embeddings()
-        if hasattr(model, "get_base_model")
-        else (model.get_input_embeddings())
-    )
+    # Where transformers' `activate_neftune` puts its hook (a PEFT model's: its base model's).
+    base = model.base_model.model if hasattr(model, "get_base_model") else model
+    return base.get_input_embeddings()
 
 
 def use_sp_neftune(trainer: Any, state: SequenceParallelState) -> None:
