@@ -4,10 +4,12 @@ transformers' loss (Switch Transformer eqs. 4-6) is `E * sum_e f_e * P_e` where,
 every MoE layer, `f_e` is the fraction of top-k assignments expert e gets and `P_e` the mean router probability of
 e (padding excluded by the attention mask). Both are sequence-wide means, so a rank's shard alone gives another
 number (measured 1.4% off for Qwen3-MoE, 32% on gpt-oss's grad_norm at SP=2). `RouterLoss` hooks the router
-modules instead: each call adds its layer's per-expert counts and probability sums to `RouterStats`, one
-all-reduce of `2E + 1` values per forward makes them global, and nothing of size tokens x experts outlives its
-layer (transformers keeps every layer's router logits until the loss: 24 GiB for 1M tokens x 128 experts x 48
-layers in fp32). `f` carries no gradient, so the loss is linear in each rank's probability sums:
+modules instead: each call adds its layer's per-expert counts and probability sums to `RouterStats`, and one
+all-reduce of `2E + 1` values per forward makes them global. Each layer's logits stay only as the gradient needs
+them, saved for backward like the layer's other tensors: under activation checkpointing they are dropped and
+recomputed with the layer (the hook replays its statistics there), where transformers keeps every layer's router
+logits until the loss (24 GiB for 1M tokens x 128 experts x 48 layers in fp32). `f` carries no gradient, so the
+loss is linear in each rank's probability sums:
 
 - the model's `loss` gets `coef x` this rank's share `E * sum_e f_e * p_local_e / N`; the shares of an SP group
   add up to the loss without SP, as the token loss shares do (Trainer multiplies both by the world size, DDP averages);
