@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         if args.max_seq:
             plan = Plan(**{**plan.__dict__, "max_seq": max_seq_len(model, config, device)})
         longest = max_seq_len(model, config, device, margin=PLAN_ERROR) if args.max_seq else None
-        found = search(model, config, device) if plan.verdict() != "fits" else None
+        # The search ends in GPU launch settings: the CPU profile is for checking the model against CPU runs.
+        found = search(model, config, device) if plan.verdict() != "fits" and not device.host_is_device else None
     except ValueError as exc:
         print(f"hf-longctx plan: error: {exc}", file=sys.stderr)
         return 2

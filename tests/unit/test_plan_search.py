@@ -88,6 +88,14 @@ def test_nothing_fits_says_so_with_the_lowest_peak(capsys):
     assert "no configuration fits with 15% headroom" in text and "lowest peak:" in text
 
 
+def test_no_search_on_the_cpu_profile(capsys):
+    """The CPU profile checks the model against CPU runs; the search's settings launch GPU jobs."""
+    code, out = _json(capsys, [*ACCEPTANCE["qwen3-4b at 1M"], "--gpu-memory", "8"])
+    assert code == 1 and out["search"]["fits"] is None
+    code, out = _json(capsys, [*ACCEPTANCE["qwen3-4b at 1M"], "--gpu", "cpu", "--dtype", "fp32", "--attn", "sdpa"])
+    assert out["verdict"] != "fits" and "search" not in out
+
+
 def test_liger_is_never_suggested_and_maps_to_no_setting(capsys):
     model = load_model_shape("llama3.1-8b")
     run = RunConfig(seq_len=1_000_000, world=8, sp=8, liger_kernels=True)
