@@ -77,8 +77,11 @@ def test_the_search_respects_host_memory():
     model = load_model_shape("llama3.1-8b")
     free = search(model, RunConfig(seq_len=4_000_000, world=8), H100).best
     assert free is not None and free.run.offload_activations and free.plan.host_gib > 500
-    limited = search(model, RunConfig(seq_len=4_000_000, world=8, host_memory_gib=256), H100).best
-    assert limited is None or limited.plan.host_gib <= 256
+    enough = search(model, RunConfig(seq_len=4_000_000, world=8, host_memory_gib=1000), H100).best
+    assert enough is not None and enough.plan.host_gib <= 1000 and enough.plan.peak_gib == free.plan.peak_gib
+    # 256 GiB of host RAM per node: only offloading lowers the peak enough, and its host RAM does not fit.
+    short = search(model, RunConfig(seq_len=4_000_000, world=8, host_memory_gib=256), H100)
+    assert short.best is None and short.lowest.plan.verdict() == "fits the device, NOT the host RAM"
 
 
 def test_nothing_fits_says_so_with_the_lowest_peak(capsys):
