@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install hf_longctx in editable mode, for developers, CI and the README.
 #
-# Usage: bash scripts/install.sh [EXTRAS]      (default EXTRAS: dev; e.g. "dev,trl" or "gpu")
+# Usage: bash scripts/install.sh [EXTRAS]      (default EXTRAS: dev; e.g. "dev,trl", "gpu", or "" for none)
 #
 # torch first, and it says which build it got:
 # - a torch already installed is kept;
@@ -14,7 +14,7 @@
 # - without one elsewhere (macOS, Windows) PyPI's torch is the CPU build: torch==TORCH_CPU_VERSION from it.
 set -euo pipefail
 
-EXTRAS="${1:-dev}"
+EXTRAS="${1-dev}"   # an empty argument: no extras
 PYTHON="${PYTHON:-python}"
 TORCH_CPU_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
 TORCH_CPU_INDEX="${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"   # empty: never try it

@@ -41,7 +41,8 @@ def _tool(folder: Path, name: str, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def _run(tmp_path: Path, *, system="Linux", gpu=False, torch=None, cpu_index="up", default_build="+cpu cpu", **env):
+def _run(tmp_path: Path, *, system="Linux", gpu=False, torch=None, cpu_index="up", default_build="+cpu cpu",
+         extras="dev", **env):  # fmt: skip
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _tool(bin_dir, "python", FAKE_PYTHON.format(python=sys.executable))
@@ -62,7 +63,7 @@ def _run(tmp_path: Path, *, system="Linux", gpu=False, torch=None, cpu_index="up
         "HOME": str(tmp_path),
         **env,
     }
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "dev"], env=environ, capture_output=True,
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), extras], env=environ, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     log = tmp_path / "pip.log"
@@ -96,9 +97,10 @@ def test_unreachable_cpu_index_falls_back_to_the_default_index_and_says_what_it_
         assert "a CUDA 13.0 build" in out and "warning: a CUDA build without a GPU" in out
 
 
-def test_installed_torch_is_kept(tmp_path):
-    calls, out = _run(tmp_path, torch="2.11.0 13.0")
+def test_installed_torch_is_kept_and_an_empty_argument_installs_no_extras(tmp_path):
+    calls, out = _run(tmp_path, torch="2.11.0 13.0", extras="")
     assert _torch_calls(calls) == [] and "keeping the installed torch 2.11.0, a CUDA 13.0 build" in out
+    assert calls == [["-m", "pip", "install", "-e", "."]] and "extras: none" in out
 
 
 def test_a_gpu_machine_leaves_torch_to_the_default_index(tmp_path):
