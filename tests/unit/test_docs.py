@@ -3,6 +3,7 @@ page on the repository host; images are copied in) and sets its public addresses
 linked from the README, every relative link of the README and of the pages resolves (anchors as GitHub and mkdocs
 both spell them), the tests they name exist, the README stays short, and the README's test command is CI's."""
 
+import ast
 import importlib.util
 import os
 import re
@@ -220,3 +221,32 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
     lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
     assert f"bash scripts/install.sh dev && {shlex.join(test_cmd)}" in lines, lines
+
+
+def _section(path: Path, heading: str) -> str:
+    return path.read_text(encoding="utf-8").split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _logged_steps(text: str) -> list[dict[str, float]]:
+    """The Trainer's per-step log dicts in `text` (values printed as strings), as numbers."""
+    steps = [ast.literal_eval(m) for m in re.findall(r"\{'loss': [^}]*\}", text)]
+    return [{k: float(v) for k, v in step.items() if k != "tokens_per_second"} for step in steps]
+
+
+@pytest.mark.slow
+def test_quickstart_prints_the_documented_output(tmp_path):
+    """Home's quickstart command, run as written (output folder moved to tmp), logs the steps its expected output
+    shows: loss, grad_norm, token accuracy, token count (tokens/s is the machine's)."""
+    section = _section(DOCS / "index.md", "Quickstart")
+    command = shlex.split(re.search(r"```bash\n(.*?)\n```", section, flags=re.S).group(1))
+    expected = _logged_steps(re.search(r"```text\n(.*?)```", section, flags=re.S).group(1))
+    assert command[:2] == ["accelerate", "launch"] and len(expected) == 3, (command, expected)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *command[2:], "--output_dir", str(tmp_path / "out")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = _logged_steps(done.stdout + done.stderr)
+    assert len(logged) == len(expected), done.stdout[-2000:]
+    for step, (want, got) in enumerate(zip(expected, logged, strict=True), start=1):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=2e-3), f"step {step} {key}: documented {value}, logged {got}"
