@@ -250,3 +250,15 @@ def test_quickstart_prints_the_documented_output(tmp_path):
     for step, (want, got) in enumerate(zip(expected, logged, strict=True), start=1):
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=2e-3), f"step {step} {key}: documented {value}, logged {got}"
+
+
+def test_hardware_status_is_on_the_first_screen_of_the_readme_and_home():
+    """What ran on which GPU and what never has: in the README's first 25 lines and Home's first section, naming
+    the same commit for the last GPU run."""
+    readme = "\n".join(README.read_text(encoding="utf-8").splitlines()[:25])
+    home = _section(DOCS / "index.md", "What has run on a GPU")
+    commits = []
+    for text in (readme, home):
+        assert re.search(r"never r[au]n on a GPU", text), text
+        commits.append(re.search(r"commit `([0-9a-f]{7,40})`", text).group(1))
+    assert commits[0] == commits[1], commits
