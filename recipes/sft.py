@@ -209,7 +209,9 @@ def _context(lc: LongContextArguments, config) -> dict:
     if lc.rope_parameters is None:
         return {}
     rope = json.loads(lc.rope_parameters) if isinstance(lc.rope_parameters, str) else dict(lc.rope_parameters)
-    rope.setdefault("rope_theta", (config.rope_parameters or {})["rope_theta"])
+    theta = (config.rope_parameters or {}).get("rope_theta")
+    if theta is not None:
+        rope.setdefault("rope_theta", theta)
     positions = lc.max_position_embeddings
     if positions is None and {"factor", "original_max_position_embeddings"} <= rope.keys():
         positions = int(rope["factor"] * rope["original_max_position_embeddings"])
