@@ -19,7 +19,9 @@ from hf_longctx.multimodal.mrope import document_rope_positions
 from tests._dist import run_distributed
 from tests.dist import _vlm as V
 from tests.dist import _vlm_packed as P
+from tests.dist import _vlm_packed_trainer as T
 from tests.dist._parity import GRAD_RTOL, LOSS_RTOL, grad_errors, loss_error
+from tests.dist._trainer_utils import compare_logs
 
 BACKENDS = {2: ("ulysses", "ring"), 4: ("ulysses",)}
 
@@ -79,3 +81,35 @@ def test_packed_vlm_matches_single_process(world_size, record_property):
         assert any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in ref_grads.items())
         worst[f"{arch}/{backend}/{name}"] = max(errors.values())
     record_property("max_grad_rel", worst)
+
+
+def _steps_match(worker, tmp_path, arch: str) -> tuple[dict[str, float], dict]:
+    """`worker` at SP=2 against one process with documents kept apart (`doc_exact`): per-step loss and
+    grad_norm, and every parameter's gradient in the first step; returns the worst differences and the reference."""
+    ref = run_distributed(worker, 1, str(tmp_path / "ref"), arch, True, timeout=300)[0]
+    runs = run_distributed(worker, 2, str(tmp_path / "sp"), arch, False, timeout=300)
+    assert len(ref["logs"]) == 3
+    assert min(ref["documents"]) >= 2, ref["documents"]  # every batch a padding-free row of several documents
+    worst = {}
+    for result in runs:
+        assert result["attn"].startswith("hf_longctx_ulysses"), result["attn"]
+        worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
+        errors = grad_errors(result["first_grads"], ref["first_grads"])
+        assert max(errors.values()) <= GRAD_RTOL, {k: v for k, v in errors.items() if v > GRAD_RTOL}
+        worst["first_grads"] = max(errors.values())
+    return worst, ref
+
+
+@pytest.mark.parametrize("arch", V.ARCHS)
+def test_padding_free_trainer_steps_match(arch, tmp_path, record_property):
+    """The stock Trainer on padding-free rows of documents with images (TRL's padding-free layout)."""
+    worst, ref = _steps_match(T.trainer_worker, tmp_path, arch)
+    assert any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in ref["first_grads"].items())
+    record_property("max_rel_diff", worst)
+
+
+@pytest.mark.parametrize("arch", V.ARCHS)
+def test_packed_sft_trainer_steps_match(arch, tmp_path, record_property):
+    """TRL's SFTTrainer with packing=True on a VLM (text documents: TRL 1.16 refuses packing for images)."""
+    worst, _ = _steps_match(T.sft_worker, tmp_path, arch)
+    record_property("max_rel_diff", worst)
