@@ -11,6 +11,7 @@ the next document's first):
   `return_position_ids=True`, which TRL sets under sequence parallelism).
 
 Images straddle the shard boundaries: 45 tokens (SP=2: 23; SP=4 and SP=2 zigzag: 12, 24, 36) and 40 (20; 10, 20, 30).
+A third, padding-free row holds an image and two videos (Qwen2.5-VL: with their `second_per_grid_ts`).
 """
 
 from __future__ import annotations
@@ -69,11 +70,46 @@ def pack(rows: list[list[Doc]], pad_to: int | None = None) -> dict[str, torch.Te
     return out
 
 
-def cases() -> dict[str, dict[str, torch.Tensor]]:
+def video_document(arch: str, frames: int, seed: int, seconds: float) -> dict[str, torch.Tensor]:
+    """Text, a `frames`-frame video of 4 x 4 patches per frame, text; alone. Qwen3-VL writes each frame as its own
+    span after a timestamp token, Qwen2.5-VL the whole video as one span (and takes `second_per_grid_ts`)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 140, (3,), generator=gen).tolist()
+    if arch == "qwen3_vl":
+        ids += [7, V.START, *[V.VIDEO] * 4, V.END] * frames
+    else:
+        ids += [V.START, *[V.VIDEO] * 4 * frames, V.END]
+    ids = torch.tensor([[*ids, 9, 10]])
+    out = {"input_ids": ids, "mm_token_type_ids": (ids == V.VIDEO).long() * 2,
+           "video_grid_thw": torch.tensor([[frames, 4, 4]]),
+           "pixel_values_videos": torch.randn(frames * 16, V.PATCH_DIM, generator=gen)}  # fmt: skip
+    if arch == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.tensor([seconds])
+    return out
+
+
+def _videos(arch: str) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """One padding-free row: an image, a 2-frame video (across 24, SP=2), a 3-frame video (across 36 or 45);
+    the packed batch and its documents alone."""
+    docs = [document(PADDING_FREE[0][0]), video_document(arch, 2, 41, 0.5), video_document(arch, 3, 42, 2.0)]
+    ids = torch.cat([d["input_ids"] for d in docs], 1)
+    pos = torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None]
+    labels = ids.masked_fill((ids == V.IMAGE) | (ids == V.VIDEO) | (pos == 0), -100)
+    types = torch.cat([d["mm_token_type_ids"] for d in docs], 1)
+    out = {"input_ids": ids, "position_ids": pos, "labels": labels, "mm_token_type_ids": types}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        if any(key in d for d in docs):
+            out[key] = torch.cat([d[key] for d in docs if key in d])
+    return out, docs
+
+
+def cases(arch: str) -> dict[str, dict[str, torch.Tensor]]:
     """The packed batches of the tests, by name."""
-    return {"padding_free": pack(PADDING_FREE), "packed_mask": pack(PACKED_MASK, pad_to=40)}
+    return {"padding_free": pack(PADDING_FREE), "packed_mask": pack(PACKED_MASK, pad_to=40), "videos": _videos(arch)[0]}
 
 
-def layouts() -> dict[str, list[list[Doc]]]:
-    """The documents of each case, row by row."""
-    return {"padding_free": PADDING_FREE, "packed_mask": PACKED_MASK}
+def documents(arch: str) -> dict[str, list[list[dict[str, torch.Tensor]]]]:
+    """Each case's documents alone, row by row (padding left out)."""
+    alone = {name: [[document(doc) for doc in docs] for docs in rows] for name, rows in
+             (("padding_free", PADDING_FREE), ("packed_mask", PACKED_MASK))}  # fmt: skip
+    return {**alone, "videos": [_videos(arch)[1]]}

@@ -4,7 +4,8 @@ transformers 5.25 computes mRoPE positions per row, so its own run of a packed r
 `tests/unit/test_mrope.py`, which also shows that the per-document positions give each document its logits
 alone). The reference here is the plain model (no hf_longctx) on the same packed batch with those per-document
 positions: the loss and every parameter's gradient at SP=2 (Ulysses, ring) and SP=4 (Ulysses). Images straddle
-the shard boundaries; one row has no attention_mask (padding-free), the other case has two right-padded rows.
+the shard boundaries; one row has no attention_mask (padding-free), another case has two right-padded rows, and a
+third a padding-free row with an image and two videos across the boundaries.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def packed_worker(rank: int, world_size: int, backends: tuple[str, ...]) -> dict
     out = {}
     for arch in V.ARCHS:
         for backend in backends:
-            for name, batch in P.cases().items():
+            for name, batch in P.cases(arch).items():
                 model = V.build(arch)
                 with hf_longctx.enable_sequence_parallel(model, groups, backend):
                     shard = hf_longctx.shard_batch(batch, groups)
@@ -69,8 +70,8 @@ def packed_worker(rank: int, world_size: int, backends: tuple[str, ...]) -> dict
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_packed_vlm_matches_single_process(world_size, record_property):
     results = run_distributed(packed_worker, world_size, BACKENDS[world_size], timeout=400)[0]
-    refs = {(arch, name): _reference(arch, batch) for arch in V.ARCHS for name, batch in P.cases().items()}
-    assert len(results) == len(V.ARCHS) * len(BACKENDS[world_size]) * len(P.cases())
+    refs = {(arch, name): _reference(arch, batch) for arch in V.ARCHS for name, batch in P.cases(arch).items()}
+    assert len(results) == len(V.ARCHS) * len(BACKENDS[world_size]) * len(P.cases(V.ARCHS[0]))
     worst: dict[str, float] = {}
     for (arch, backend, name), (loss, grads) in results.items():
         ref_loss, ref_grads = refs[(arch, name)]

@@ -1,7 +1,7 @@
 """Per-document mRoPE positions of packed rows (`hf_longctx.multimodal.mrope`), no process group.
 
 The positions equal the model's own `get_rope_index` run on each document alone (images and videos, Qwen2.5-VL's
-`second_per_grid_ts`, Qwen3-VL's per-frame video grids); and a packed row run with them gives every document the
+`second_per_grid_ts`, Qwen3-VL's per-frame video spans); and a packed row run with them gives every document the
 logits it has alone, which transformers' own positions for the packed row (per row, or the 1-D packed ones) do not.
 """
 
@@ -14,76 +14,54 @@ from hf_longctx.multimodal.mrope import document_rope_positions, document_spans
 from tests.dist import _vlm as V
 from tests.dist import _vlm_packed as P
 
+CASES = ("padding_free", "packed_mask", "videos")
+
 
 @pytest.fixture(scope="module", params=V.ARCHS)
-def model(request) -> torch.nn.Module:
-    return V.build(request.param).eval()
+def arch(request) -> str:
+    return request.param
 
 
-def _alone(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`[3, sl]`: the model's own positions of a single-document row."""
+@pytest.fixture(scope="module")
+def model(arch) -> torch.nn.Module:
+    return V.build(arch).eval()
+
+
+def _alone(model: torch.nn.Module, doc: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[3, sl]`: the model's own positions of a single-document row (1-D on every axis without images)."""
     keys = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-    return model.model.get_rope_index(**{k: batch[k] for k in keys if k in batch})[0][:, 0]
+    if "image_grid_thw" not in doc and "video_grid_thw" not in doc:
+        return torch.arange(doc["input_ids"].shape[1]).expand(3, -1)
+    return model.model.get_rope_index(**{k: doc[k] for k in keys if k in doc})[0][:, 0]
 
 
-@pytest.mark.parametrize("case", ["padding_free", "packed_mask"])
-def test_positions_are_each_documents_own(model, case):
-    batch, rows = P.cases()[case], P.layouts()[case]
+@pytest.mark.parametrize("case", CASES)
+def test_positions_are_each_documents_own(arch, model, case):
+    batch = P.cases(arch)[case]
     positions = document_rope_positions(model.model, batch, batch["position_ids"])
     assert positions.shape == (4, *batch["input_ids"].shape)
     assert torch.equal(positions[0], batch["position_ids"])
-    for b, docs in enumerate(rows):
+    for b, docs in enumerate(P.documents(arch)[case]):
         start = 0
         for doc in docs:
-            got = positions[1:, b, start : start + doc[0]]
-            want = _alone(model, P.document(doc)) if doc[1] else torch.arange(doc[0]).expand(3, -1)
-            assert torch.equal(got, want), (case, b, start)
-            assert doc[1] == [] or not torch.equal(got[1], got[0])  # images: really 3-D
-            start += doc[0]
+            n = doc["input_ids"].shape[1]
+            got = positions[1:, b, start : start + n]
+            assert torch.equal(got, _alone(model, doc)), (case, b, start)
+            assert not doc["mm_token_type_ids"].any() or not torch.equal(got[1], got[0])  # images: really 3-D
+            start += n
         assert not positions[:, b, start:].any()  # TRL's padding: position 0, text
 
 
-def _video_doc(model: torch.nn.Module, frames: int, seed: int) -> dict[str, torch.Tensor]:
-    """Text, a `frames`-frame 4x4 video (Qwen3-VL: frames apart, a timestamp token before each), text."""
-    qwen3 = "Qwen3" in type(model).__name__
-    ids = torch.randint(3, 140, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
-    if qwen3:  # one vision span per frame, each after its timestamp token
-        ids += [7, V.START, *[V.VIDEO] * 4, V.END] * frames
-    else:
-        ids += [V.START, *[V.VIDEO] * 4 * frames, V.END]
-    ids += [9, 10]
-    ids_t = torch.tensor([ids])
-    return {"input_ids": ids_t, "mm_token_type_ids": (ids_t == V.VIDEO).long() * 2,
-            "video_grid_thw": torch.tensor([[frames, 4, 4]])}  # fmt: skip
-
-
-def test_videos_and_their_seconds_follow_their_documents(model):
-    image = P.document(P.PADDING_FREE[0][0])
-    docs = [_video_doc(model, 2, seed=1), image, _video_doc(model, 3, seed=2)]
-    if "Qwen2_5" in type(model).__name__:  # distinct seconds per video: a shifted slice would show
-        docs[0]["second_per_grid_ts"], docs[2]["second_per_grid_ts"] = torch.tensor([0.5]), torch.tensor([2.0])
-    batch = {
-        "input_ids": torch.cat([d["input_ids"] for d in docs], 1),
-        "mm_token_type_ids": torch.cat([d["mm_token_type_ids"] for d in docs], 1),
-        "image_grid_thw": image["image_grid_thw"],
-        "video_grid_thw": torch.cat([docs[0]["video_grid_thw"], docs[2]["video_grid_thw"]]),
-    }
-    if "second_per_grid_ts" in docs[0]:
-        batch["second_per_grid_ts"] = torch.cat([docs[0]["second_per_grid_ts"], docs[2]["second_per_grid_ts"]])
-    position_ids = torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None]
-    positions = document_rope_positions(model.model, batch, position_ids)
-    start = 0
-    for doc in docs:
-        n = doc["input_ids"].shape[1]
-        assert torch.equal(positions[1:, 0, start : start + n], _alone(model, doc))
-        start += n
-    if "second_per_grid_ts" in docs[2]:  # the seconds matter: another video's would give other positions
-        swapped = {**docs[2], "second_per_grid_ts": docs[0]["second_per_grid_ts"]}
-        assert not torch.equal(_alone(model, swapped), _alone(model, docs[2]))
+def test_a_videos_own_seconds_are_used():
+    """Qwen2.5-VL spaces a video's frames by its `second_per_grid_ts`: another video's would give other
+    positions, so the per-document slice of them is tested by `test_positions_are_each_documents_own`."""
+    model = V.build("qwen2_5_vl")
+    doc = P.video_document("qwen2_5_vl", 3, 42, 2.0)
+    assert not torch.equal(_alone(model, {**doc, "second_per_grid_ts": torch.tensor([0.5])}), _alone(model, doc))
 
 
 def test_an_image_across_a_document_boundary_is_refused(model):
-    batch = P.cases()["padding_free"]
+    batch = P.cases("qwen2_5_vl")["padding_free"]
     cut = batch["position_ids"].clone()
     cut[0, 5:] -= 5  # a document starting inside the first image (tokens 3-6)
     with pytest.raises(ValueError, match="crosses a document boundary"):
@@ -91,7 +69,7 @@ def test_an_image_across_a_document_boundary_is_refused(model):
 
 
 def test_without_token_types_or_grids_every_axis_is_the_1d_position(model):
-    batch = P.cases()["padding_free"]
+    batch = P.cases("qwen2_5_vl")["padding_free"]
     for key in ("mm_token_type_ids", "image_grid_thw"):
         without = {k: v for k, v in batch.items() if k != key}
         positions = document_rope_positions(model.model, without, batch["position_ids"])
@@ -103,23 +81,23 @@ def test_document_spans():
     assert document_spans(pos) == [[(0, 3), (3, 5), (5, 6)], [(0, 6)]]
 
 
-@pytest.mark.parametrize("case", ["padding_free", "packed_mask"])
-def test_packed_row_gives_each_document_its_own_logits(model, case):
+@pytest.mark.parametrize("case", CASES)
+def test_packed_row_gives_each_document_its_own_logits(arch, model, case):
     """The reference semantics: transformers 5.25 run on the packed row with per-document positions (4 rows: it
     reads the documents from the first and builds the packed mask, with no attention_mask and no cache) gives
     each document the logits it has alone; with its own positions (per row, or the packed 1-D ones) it does not."""
-    batch, rows = P.cases()[case], P.layouts()[case]
+    batch = P.cases(arch)[case]
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "attention_mask", "position_ids")}
     with torch.no_grad():
-        alone = [[model(**P.document(doc), use_cache=False).logits[0] for doc in docs] for docs in rows]
+        alone = [[model(**doc, use_cache=False).logits[0] for doc in docs] for docs in P.documents(arch)[case]]
         ours = document_rope_positions(model.model, batch, batch["position_ids"])
         runs = {name: model(**inputs, position_ids=pos, use_cache=False).logits
                 for name, pos in (("ours", ours), ("1d", batch["position_ids"]), ("row", None))}  # fmt: skip
     for name, logits in runs.items():
         worst = 0.0
-        for b, docs in enumerate(rows):
+        for b, row in enumerate(alone):
             start = 0
-            for doc, want in zip(docs, alone[b], strict=True):
-                worst = max(worst, float((logits[b, start : start + doc[0]] - want).abs().max()))
-                start += doc[0]
+            for want in row:
+                worst = max(worst, float((logits[b, start : start + len(want)] - want).abs().max()))
+                start += len(want)
         assert (worst < 1e-5) == (name == "ours"), (case, name, worst)
