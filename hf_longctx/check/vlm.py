@@ -10,7 +10,9 @@ Two image layouts are supported:
   token per patch (plus the CLS feature with `vision_feature_select_strategy="full"`); the test copy's
   images are 4 x 4 pixels of 2 x 2 patches (4 tokens).
 
-Other VLMs are refused by name: the check does not build their batches. The vision tower of the test copy
+With `--packed` (Qwen layout) each row holds three documents, no image across their boundaries, and the
+reference runs every document alone with its images (`reference_outputs`). Other VLMs are refused by name: the
+check does not build their batches. The vision tower of the test copy
 is shrunk to 2 blocks of width 32 (2 heads): it runs whole on every SP rank, so its width does not change
 what SP does.
 """
