@@ -12,9 +12,8 @@ Two image layouts are supported:
 
 With `--packed` (Qwen layout) each row holds three documents, no image across their boundaries, and the
 reference runs every document alone with its images (`reference_outputs`). Other VLMs are refused by name: the
-check does not build their batches. The vision tower of the test copy
-is shrunk to 2 blocks of width 32 (2 heads): it runs whole on every SP rank, so its width does not change
-what SP does.
+check does not build their batches. The vision tower of the test copy is shrunk to 2 blocks of width 32
+(2 heads): it runs whole on every SP rank, so its width does not change what SP does.
 """
 
 from __future__ import annotations
