@@ -216,17 +216,23 @@ def make_batch(vocab_size: int, seq_len: int, batch_size: int, packed: bool, see
     labels[0, : (seq_len + 1) // 2 + 1] = -100
     batch = {"input_ids": ids, "labels": labels}
     if packed:
-        third = seq_len // 3
-        lengths = (third, third, seq_len - 2 * third)
-        pos = torch.cat([torch.arange(n) for n in lengths])
-        batch["position_ids"] = pos.expand(batch_size, seq_len).clone()
+        batch["position_ids"] = three_documents(seq_len, batch_size)
     return batch
 
 
+def three_documents(seq_len: int, batch_size: int) -> torch.Tensor:
+    """`[batch_size, seq_len]` positions of three documents per row (thirds, the last one longest)."""
+    third = seq_len // 3
+    lengths = (third, third, seq_len - 2 * third)
+    return torch.cat([torch.arange(n) for n in lengths]).expand(batch_size, seq_len).clone()
+
+
 def check_batch(model: torch.nn.Module, seq_len: int, batch_size: int, packed: bool, seed: int) -> dict[str, Any]:
-    """The check's batch for `model`: image rows for a vision-language model, `make_batch` otherwise."""
+    """The check's batch for `model`: image rows for a vision-language model (packed: three documents per row,
+    no image across their boundaries), `make_batch` otherwise."""
     if vlm.is_vision_language(model.config):
-        return vlm.make_batch(model, seq_len, batch_size, seed)
+        batch = vlm.make_batch(model, seq_len, batch_size, seed)
+        return {**batch, "position_ids": three_documents(seq_len, batch_size)} if packed else batch
     return make_batch(model.config.get_text_config().vocab_size, seq_len, batch_size, packed, seed)
 
 
@@ -269,9 +275,9 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     full = shard_batch_for_rank(batch, 0, 1)
     if vlm.is_vision_language(model.config):
         model.zero_grad(set_to_none=True)
-        output = vlm.reference_output(model, batch)
-        loss = sequence_parallel_loss(output.logits, full["shift_labels"], SequenceParallelGroups.single())
-        loss = loss + router_term(model, output)
+        logits, outputs = vlm.reference_outputs(model, batch)
+        loss = sequence_parallel_loss(logits, full["shift_labels"], SequenceParallelGroups.single())
+        loss = loss + reference_router_term(model, outputs)
         loss.backward()
         return StepResult(loss.item(), take_grads(model), weights_sha256(model))
     ids, pos, shift_labels = full["input_ids"], full["position_ids"], full["shift_labels"]

@@ -10,9 +10,10 @@ Two image layouts are supported:
   token per patch (plus the CLS feature with `vision_feature_select_strategy="full"`); the test copy's
   images are 4 x 4 pixels of 2 x 2 patches (4 tokens).
 
-Other VLMs are refused by name: the check does not build their batches. The vision tower of the test copy
-is shrunk to 2 blocks of width 32 (2 heads): it runs whole on every SP rank, so its width does not change
-what SP does.
+With `--packed` (Qwen layout) each row holds three documents, no image across their boundaries, and the
+reference runs every document alone with its images (`reference_outputs`). Other VLMs are refused by name: the
+check does not build their batches. The vision tower of the test copy is shrunk to 2 blocks of width 32
+(2 heads): it runs whole on every SP rank, so its width does not change what SP does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import inspect
 from typing import Any
 
 import torch
+
+from hf_longctx.multimodal.mrope import document_spans, take_grids
 
 _GRID_KEYS = ("patch_size", "spatial_merge_size", "temporal_patch_size")
 _TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -57,8 +60,8 @@ def check_supported(config: Any, seq_len: int, packed: bool) -> None:
     """Refuse, naming why, a VLM config or batch the check cannot build.
 
     Raises:
-        ValueError: an unsupported image layout, `--packed` (mRoPE models refuse packed rows under SP; for
-            the others the check's reference has no per-document image split), or a row too short.
+        ValueError: an unsupported image layout, `--packed` for LLaVA (the check's reference splits only the
+            Qwen image layout per document), or a row too short.
     """
     llava = image_layout(config) == "llava"
     if llava and config.vision_feature_select_strategy not in ("default", "full"):
@@ -66,13 +69,11 @@ def check_supported(config: Any, seq_len: int, packed: bool) -> None:
             f"vision_feature_select_strategy {config.vision_feature_select_strategy!r}: the check knows 'default' "
             "and 'full'."
         )
-    if packed:
-        why = (
-            "the check builds one document per row for vision-language models"
-            if llava
-            else "it computes its 3-D (mRoPE) positions per row, so packed rows are refused under SP"
+    if packed and llava:
+        raise ValueError(
+            f"{type(config).__name__}: the check builds one document per row for vision-language models of the "
+            "LLaVA layout. Run the check without --packed."
         )
-        raise ValueError(f"{type(config).__name__}: {why}. Run the check without --packed.")
     if seq_len < MIN_SEQ_LEN:
         raise ValueError(f"--seq-len must be >= {MIN_SEQ_LEN} for a vision-language model, got {seq_len}.")
 
@@ -200,6 +201,26 @@ def _pixels(vision: Any, llava: bool, images: int, gen: torch.Generator) -> dict
     return {"pixel_values": pixels, "image_grid_thw": torch.tensor([grid] * images)}
 
 
-def reference_output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
-    """The plain model on the unpadded rows: it places the images and computes its own mRoPE positions."""
-    return model(**{k: v for k, v in batch.items() if k != "labels"})
+def reference_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Any]]:
+    """The plain model on the unpadded rows (it places the images and computes its own mRoPE positions): the
+    logits and the forwards' outputs. Packed rows (`position_ids`) run document by document, each alone with its
+    images (the grids and patches of its image tokens, in row order), like the text reference."""
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "position_ids")}
+    if "position_ids" not in batch:
+        output = model(**inputs)
+        return output.logits, [output]
+    grids, merge = inputs.pop("image_grid_thw"), model.config.vision_config.spatial_merge_size
+    pixels = inputs.pop("pixel_values").split((grids.prod(-1)).tolist())
+    used, outputs, rows = 0, [], []
+    for b, spans in enumerate(document_spans(batch["position_ids"])):
+        logits = []
+        for start, end in spans:
+            doc = {k: v[b : b + 1, start:end] for k, v in inputs.items()}
+            last = take_grids(grids, used, int((doc["input_ids"] == model.config.image_token_id).sum()), merge)
+            if last > used:
+                doc["image_grid_thw"], doc["pixel_values"] = grids[used:last], torch.cat(pixels[used:last])
+            outputs.append(model(**doc))
+            logits.append(outputs[-1].logits)
+            used = last
+        rows.append(torch.cat(logits, dim=1))
+    return torch.cat(rows), outputs

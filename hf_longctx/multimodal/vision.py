@@ -18,7 +18,8 @@ row). So, per forward:
 
 Gradients reach the vision tower through the slicing (each rank: the part from its own tokens) and
 are summed over the SP group like those of every other replicated parameter (the embeddings).
-Packed rows are refused for mRoPE models: their positions are computed per row, not per document.
+For packed rows (positions that restart) of mRoPE models the hook computes each document's positions as if it
+were alone, with the model's own `get_rope_index` (`mrope.py`): transformers computes them per row.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from hf_longctx.data.layout import layout_indices, to_global_order
 from hf_longctx.distributed.comm import all_gather_sequence
+from hf_longctx.multimodal.mrope import document_rope_positions
 
 _VISION_TOWERS = ("visual", "vision_tower", "vision_model")
 _FULL_ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
@@ -70,16 +72,22 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
                 "A vision-language model under sequence parallelism must be called with input_ids through its "
                 "top-level forward (the image tokens are placed on the full row)."
             )
-        if rope_from_ids and not context.single_document:
+        packed = rope_from_ids and not context.single_document
+        if packed and not hasattr(module, "get_rope_index"):
             raise ValueError(
-                f"{type(module).__name__} computes its 3-D (mRoPE) positions per row, so packed rows (positions "
-                "that restart) would train with positions unlike a run without SP. Pad rows instead of packing "
-                "them (e.g. SFTConfig(padding_free=False, packing=False))."
+                f"{type(module).__name__} computes its 3-D (mRoPE) positions per row and has no get_rope_index to "
+                "compute them per document, so packed rows (positions that restart) would train with positions "
+                "unlike a run without SP. Pad rows instead of packing them (SFTConfig(padding_free=False, "
+                "packing=False))."
             )
         for key in _FULL_ROW_KEYS:
             if isinstance(kwargs.get(key), torch.Tensor):
                 kwargs[key] = gather(kwargs[key])
-        kwargs["position_ids"] = None if rope_from_ids else context.position_ids.to(kwargs["input_ids"].device)
+        positions = context.position_ids.to(kwargs["input_ids"].device)
+        if packed:  # each document's mRoPE positions as if alone (`mrope.py`)
+            kwargs["position_ids"] = document_rope_positions(module, kwargs, positions)
+        else:  # one document per row: the model's own mRoPE positions of the row, or the row's 1-D positions
+            kwargs["position_ids"] = None if rope_from_ids else positions
         return args, kwargs
 
     def shard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:

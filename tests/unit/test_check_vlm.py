@@ -8,7 +8,8 @@ import transformers
 
 from hf_longctx.check import MAX_VOCAB, shrink_config
 from hf_longctx.check.model import build_model, check_batch
-from hf_longctx.check.vlm import check_supported
+from hf_longctx.check.vlm import check_supported, reference_outputs
+from hf_longctx.multimodal.mrope import document_rope_positions
 
 _TEXT = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
@@ -57,14 +58,30 @@ def test_image_rows_match_their_grids(shrunk):
     assert torch.equal(batch["input_ids"], check_batch(model, 41, 3, False, 0)["input_ids"])  # deterministic
 
 
+def test_packed_reference_runs_each_document_alone(shrunk):
+    """The packed reference (each document alone, with its images) equals the packed row run with per-document
+    positions, and differs from the whole-row run: the images stay in their documents."""
+    config, _, model = shrunk
+    batch = check_batch(model, seq_len=41, batch_size=3, packed=True, seed=0)
+    assert batch["position_ids"][:, 1:].eq(0).sum() == 2 * 3  # three documents per row
+    with torch.no_grad():
+        logits, outputs = reference_outputs(model, batch)
+        assert len(outputs) == 9
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "position_ids")}
+        positions = document_rope_positions(model.model, batch, batch["position_ids"])
+        packed = model(**inputs, position_ids=positions, use_cache=False).logits
+        whole, _ = reference_outputs(model, {k: v for k, v in batch.items() if k != "position_ids"})
+    assert float((logits - packed).abs().max()) < 1e-5
+    assert float((logits - whole).abs().max()) > 1e-3
+
+
 def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match="lacks spatial_merge_size, temporal_patch_size"):
         check_supported(transformers.AutoConfig.for_model("llava_next"), seq_len=67, packed=False)
     with pytest.raises(ValueError, match="one document per row for vision-language models"):
         check_supported(transformers.AutoConfig.for_model("llava"), seq_len=67, packed=True)
     qwen = transformers.AutoConfig.for_model("qwen2_5_vl")
-    with pytest.raises(ValueError, match="packed rows are refused under SP. Run the check without --packed"):
-        check_supported(qwen, seq_len=67, packed=True)
+    check_supported(qwen, seq_len=67, packed=True)  # packed Qwen rows: per-document mRoPE positions
     with pytest.raises(ValueError, match="--seq-len must be >= 24"):
         check_supported(qwen, seq_len=16, packed=False)
 

@@ -1,0 +1,116 @@
+"""Packed and padding-free rows of Qwen2.5-VL / Qwen3-VL under SP are exact (`hf_longctx/multimodal/mrope.py`).
+
+transformers 5.25 computes mRoPE positions per row, so its own run of a packed row is no reference (see
+`tests/unit/test_mrope.py`, which also shows that the per-document positions give each document its logits
+alone). The reference here is the plain model (no hf_longctx) on the same packed batch with those per-document
+positions: the loss and every parameter's gradient at SP=2 (Ulysses, ring) and SP=4 (Ulysses). Images straddle
+the shard boundaries; one row has no attention_mask (padding-free), another case has two right-padded rows, and a
+third a padding-free row with an image and two videos across the boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import hf_longctx
+from hf_longctx.multimodal.mrope import document_rope_positions
+from tests._dist import run_distributed
+from tests.dist import _vlm as V
+from tests.dist import _vlm_packed as P
+from tests.dist import _vlm_packed_trainer as T
+from tests.dist._parity import GRAD_RTOL, LOSS_RTOL, grad_errors, loss_error
+from tests.dist._trainer_utils import compare_logs
+
+BACKENDS = {2: ("ulysses", "ring"), 4: ("ulysses",)}
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The plain model on the packed batch with per-document positions (no attention_mask and no cache, so
+    transformers keeps the documents apart: its padding holds no label and comes last in its row)."""
+    model = V.build(arch)
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "attention_mask", "position_ids")}
+    positions = document_rope_positions(model.model, batch, batch["position_ids"])
+    logits = model(**inputs, position_ids=positions, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+    loss.backward()
+    return loss.item(), _grads(model)
+
+
+def packed_worker(rank: int, world_size: int, backends: tuple[str, ...]) -> dict:
+    torch.set_num_threads(1)
+    groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    out = {}
+    for arch in V.ARCHS:
+        for backend in backends:
+            for name, batch in P.cases(arch).items():
+                model = V.build(arch)
+                with hf_longctx.enable_sequence_parallel(model, groups, backend):
+                    shard = hf_longctx.shard_batch(batch, groups)
+                    shift_labels = shard.pop("shift_labels")
+                    loss = hf_longctx.sequence_parallel_loss(model(**shard).logits, shift_labels, groups)
+                    loss.backward()
+                grads = _grads(model)
+                flat = torch.cat([g.reshape(-1) for g in grads.values()])
+                dist.all_reduce(flat, group=groups.sp_group)  # the DP engine's mean over the SP group
+                flat /= world_size
+                sizes = [g.numel() for g in grads.values()]
+                summed = {k: f.view_as(g) for (k, g), f in zip(grads.items(), flat.split(sizes), strict=True)}
+                if rank == 0:
+                    out[(arch, backend, name)] = (loss.item(), summed)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_vlm_matches_single_process(world_size, record_property):
+    results = run_distributed(packed_worker, world_size, BACKENDS[world_size], timeout=400)[0]
+    refs = {(arch, name): _reference(arch, batch) for arch in V.ARCHS for name, batch in P.cases(arch).items()}
+    assert len(results) == len(V.ARCHS) * len(BACKENDS[world_size]) * len(P.cases(V.ARCHS[0]))
+    worst: dict[str, float] = {}
+    for (arch, backend, name), (loss, grads) in results.items():
+        ref_loss, ref_grads = refs[(arch, name)]
+        assert loss_error(loss, ref_loss) <= LOSS_RTOL, (arch, backend, name, loss, ref_loss)
+        errors = grad_errors(grads, ref_grads)
+        bad = {k: v for k, v in errors.items() if v > GRAD_RTOL}
+        assert not bad, (arch, backend, name, bad)
+        assert any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in ref_grads.items())
+        worst[f"{arch}/{backend}/{name}"] = max(errors.values())
+    record_property("max_grad_rel", worst)
+
+
+def _steps_match(worker, tmp_path, arch: str) -> tuple[dict[str, float], dict]:
+    """`worker` at SP=2 against one process with documents kept apart (`doc_exact`): per-step loss and
+    grad_norm, and every parameter's gradient in the first step; returns the worst differences and the reference."""
+    ref = run_distributed(worker, 1, str(tmp_path / "ref"), arch, True, timeout=300)[0]
+    runs = run_distributed(worker, 2, str(tmp_path / "sp"), arch, False, timeout=300)
+    assert len(ref["logs"]) == 3
+    assert min(ref["documents"]) >= 2, ref["documents"]  # every batch a padding-free row of several documents
+    worst = {}
+    for result in runs:
+        assert result["attn"].startswith("hf_longctx_ulysses"), result["attn"]
+        worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
+        errors = grad_errors(result["first_grads"], ref["first_grads"])
+        assert max(errors.values()) <= GRAD_RTOL, {k: v for k, v in errors.items() if v > GRAD_RTOL}
+        worst["first_grads"] = max(errors.values())
+    return worst, ref
+
+
+@pytest.mark.parametrize("arch", V.ARCHS)
+def test_padding_free_trainer_steps_match(arch, tmp_path, record_property):
+    """The stock Trainer on padding-free rows of documents with images (TRL's padding-free layout)."""
+    worst, ref = _steps_match(T.trainer_worker, tmp_path, arch)
+    assert any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in ref["first_grads"].items())
+    record_property("max_rel_diff", worst)
+
+
+@pytest.mark.parametrize("arch", V.ARCHS)
+def test_packed_sft_trainer_steps_match(arch, tmp_path, record_property):
+    """TRL's SFTTrainer with packing=True on a VLM (text documents: TRL 1.16 refuses packing for images)."""
+    worst, _ = _steps_match(T.sft_worker, tmp_path, arch)
+    record_property("max_rel_diff", worst)
