@@ -185,6 +185,7 @@ def run_trainer(
     flags: dict[str, Any] | None = None,
     model_kind: str = "llama",
     zero: int | None = None,
+    sampling: str = "random",
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
@@ -197,7 +198,8 @@ def run_trainer(
     layer), which accelerate enables only on GPUs; `accelerate_fsdp_on_cpu` lifts that for the test.
     `sp_options`: more `ParallelismConfig` fields (sp_backend, ulysses_degree, ring_variant, ...);
     `flags`: hf_longctx memory flags (`tiled_loss`, ...), applied at SP=1 too. `model_kind`: another tiny model
-    (`tests._sequence_models.sequence_model`, e.g. "moe:qwen3_moe"); `zero`: a DeepSpeed ZeRO stage.
+    (`tests._sequence_models.sequence_model`, e.g. "moe:qwen3_moe"); `zero`: a DeepSpeed ZeRO stage;
+    `sampling`: the Trainer's `train_sampling_strategy`.
     """
     from transformers import Trainer, TrainingArguments
 
@@ -224,6 +226,7 @@ def run_trainer(
         save_steps=save_steps or 500,
         remove_unused_columns=False,
         label_smoothing_factor=label_smoothing,
+        train_sampling_strategy=sampling,
         gradient_checkpointing=gradient_checkpointing,
         parallelism_config=_parallelism(sp, sp_options, flags),
         **(FSDP2_ARGS if fsdp2 else {}),

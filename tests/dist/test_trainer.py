@@ -30,15 +30,26 @@ CONFIGS = {
     "smooth": {"label_smoothing": 0.1, "eval_data": (("eval", 7),)},
     "subclass": {"subclass": True, "steps": 2, "eval_data": (("eval", 7),), "predict": ("eval", 7)},
     "lossfn": {"loss_func": True, "steps": 3},
+    # train_sampling_strategy: "random" (the default) is every config above; GA 2 gives batch_rebalance two
+    # micro-batches per step to balance (of variable size).
+    "sequential": {"sampling": "sequential", "steps": 3},
+    "group_by_length": {"sampling": "group_by_length", "steps": 3},
+    "batch_rebalance": {"sampling": "batch_rebalance", "steps": 3, "ga": 2},
 }
 WORLD2_EXTRA = {
     "resume": {**CONFIGS["resume_full"], "sp": 2, "resume_from": "resume_full/checkpoint-3"},
     "ddp": {"steps": 3, "predict": ("eval", 7)},  # plain DDP over 2 ranks: the reference of DP=2 x SP=2
+    "ddp_rebalance": {"steps": 3, "sampling": "batch_rebalance"},
     # accelerate's own FSDP2 route (fully_shard per layer) with gradient checkpointing; last: it changes the
     # process's accelerate state.
     "fsdp2": {"sp": 2, "steps": 3, "fsdp2": True, "gradient_checkpointing": True},
 }
-DPSP = {"dpsp": {"steps": 3, "sp": 2, "predict": ("eval", 7)}}
+DPSP = {
+    "dpsp": {"steps": 3, "sp": 2, "predict": ("eval", 7)},
+    "dpsp_rebalance": {"steps": 3, "sp": 2, "sampling": "batch_rebalance"},
+}
+# The train_sampling_strategy of each config above ("sgd": the default, random).
+SAMPLING = {n: n for n in ("sequential", "group_by_length", "batch_rebalance")} | {"sgd": "random"}
 
 
 @pytest.fixture(scope="module")
@@ -273,4 +284,34 @@ def test_dp2_sp2_matches_plain_ddp(out_root, record_property):
         _assert_predictions_match(result["predict"], ref["predict"])
     assert world2[0]["ddp"]["rows"][:3] != world2[1]["ddp"]["rows"][:3]
     assert [h["step"] for h in world2[0]["ddp"]["logs"]] == [1, 2, 3]
+    record_property("max_rel_diff", worst)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING))
+def test_every_train_sampling_strategy_sp2_matches_single_process(name, out_root, record_property):
+    """Each `train_sampling_strategy` transformers offers, at SP=2 (DP=1), reads the micro-batches of the run
+    without SP and matches it step by step; batch_rebalance, built by the Trainer for every process as a DP
+    rank, gave the two SP ranks different samples ("Sequence-parallel ranks hold different batches")."""
+    from transformers import TrainingArguments
+
+    offered = TrainingArguments.__dataclass_fields__["train_sampling_strategy"].metadata["choices"]
+    assert sorted(offered) == sorted(SAMPLING.values())  # a new strategy needs a config here
+    worst = _assert_train_matches(name, out_root)
+    sp, ref = _sp_and_ref(name, out_root)
+    for result in sp:
+        assert result["rows"][: len(ref["rows"])] == ref["rows"]
+    record_property("max_rel_diff", worst)
+
+
+@pytest.mark.slow
+def test_batch_rebalance_dp2_sp2_matches_plain_ddp(out_root, record_property):
+    """DP=2 x SP=2: the two SP groups rebalance the step's samples as two DDP ranks without SP do."""
+    world4, world2 = _world(4, out_root), _world(2, out_root)
+    worst: dict[str, float] = {}
+    for rank, rank_results in enumerate(world4):
+        result, ref = rank_results["dpsp_rebalance"], world2[rank // 2]["ddp_rebalance"]
+        for key, value in U.compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), RTOL).items():
+            worst[key] = max(worst.get(key, 0.0), value)
+        assert result["rows"][:3] == ref["rows"][:3], rank
+    assert world2[0]["ddp_rebalance"]["rows"][:3] != world2[1]["ddp_rebalance"]["rows"][:3]
     record_property("max_rel_diff", worst)
