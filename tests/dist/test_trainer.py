@@ -204,6 +204,14 @@ def test_missing_use_cpu_raises_on_every_rank(out_root):
         assert "use_cpu" in message
 
 
+def test_ranks_without_a_data_parallel_engine_raise_on_every_rank(out_root):
+    """ddp_backend="gloo" without use_cpu on CPU: accelerate counts both ranks but wraps no DDP (measured:
+    DistributedType.NO), so each SP rank would step on its own shard's gradients."""
+    for rank_results in _world(2, out_root):
+        message = rank_results["errors"]["no_engine"]
+        assert message is not None and "runs no data-parallel engine" in message, message
+
+
 def test_sp_size_not_dividing_world_raises_on_every_rank(out_root):
     for rank_results in _world(2, out_root):
         message = rank_results["errors"]["sp3"]
@@ -315,3 +323,31 @@ def test_batch_rebalance_dp2_sp2_matches_plain_ddp(out_root, record_property):
         assert result["rows"][:3] == ref["rows"][:3], rank
     assert world2[0]["ddp_rebalance"]["rows"][:3] != world2[1]["ddp_rebalance"]["rows"][:3]
     record_property("max_rel_diff", worst)
+
+
+def test_first_step_logs_what_runs_on_rank_0(out_root):
+    """One line, at the first step, on rank 0 only: DP x SP, engine, backend, kernel, tokens per rank, flags."""
+    sp, ref = _sp_and_ref("sgd", out_root)
+    assert ref["sp_lines"] == []  # no SP, no line
+    assert sp[1]["sp_lines"] == []
+    (line,) = sp[0]["sp_lines"]
+    full = sp[0]["lengths"][0]
+    prefix = "hf_longctx: sequence parallelism on 2 ranks (1 node x 2): DP 1 x SP 2, engine DDP, backend ulysses"
+    assert line.startswith(prefix), line
+    assert f"attention kernel sdpa, {math.ceil(full / 2)} of {full} tokens per rank" in line
+    assert line.endswith("memory flags: none")
+    (line,) = _world(4, out_root)[0]["dpsp"]["sp_lines"]
+    assert "on 4 ranks (1 node x 4): DP 2 x SP 2" in line
+
+
+def test_sp_asked_but_not_applied_is_an_error(out_root):
+    """A run that asks for SP and would train without it stops: a wrapper module trained (its transformers model
+    never switched: each rank would attend over its own shard) at the first step, on every rank; arguments the
+    accelerator never saw (an Accelerator made earlier, use_configured_state) when the Trainer is built."""
+    for rank_results in _world(2, out_root):
+        message = rank_results["errors"]["wrapper"]
+        assert message is not None and message.startswith("train: "), message
+        assert "does not run on ranks [0, 1]" in message and "(Wrapper) carries no hf_longctx SP attention" in message
+        message = rank_results["errors"]["configured_state"]
+        assert message is not None and message.startswith("init: "), message
+        assert "sp_size=2" in message and "use_configured_state" in message
