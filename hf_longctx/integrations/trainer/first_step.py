@@ -151,10 +151,13 @@ def describe(
 
 
 def _engine(accelerator: Any) -> str:
-    """The data-parallel engine as a user names it."""
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind == "DEEPSPEED":
-        return f"DeepSpeed ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
-    if kind == "FSDP":
-        return "FSDP2" if getattr(accelerator, "is_fsdp2", False) else "FSDP"
-    return "DDP" if kind.startswith("MULTI_") else kind
+    """The data-parallel engine as a user names it, found by its plugin as the Trainer does (`is_fsdp_enabled`):
+    accelerate's `distributed_type` reverts to its process-level value whenever `AcceleratorState()` is built."""
+    state = accelerator.state
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    if deepspeed is not None:
+        return f"DeepSpeed ZeRO-{deepspeed.zero_stage}"
+    fsdp = getattr(state, "fsdp_plugin", None)
+    if fsdp is not None:
+        return "FSDP2" if getattr(fsdp, "fsdp_version", 1) == 2 else "FSDP"
+    return "DDP"
