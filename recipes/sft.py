@@ -4,25 +4,28 @@
     torchrun --nproc_per_node 2 recipes/sft.py --config recipes/tiny_llama_4k_sp2.yaml
 
 With `model_name_or_path` unset (or "tiny") it trains the offline default (tiny random Llama, GPT-2 tokenizer,
-vendored Shakespeare cut into `max_length`-token windows). `long_documents` trains on the vendored texts whole
-instead (one document per play or poem, tokenized with the model's tokenizer), which `packing: true` packs into
-rows of up to `max_length` tokens: the million-token recipes. `compare_to` names a finished run
-(e.g. the same recipe with `sp_size: 1`) whose loss curve is compared and plotted at the end.
+vendored Shakespeare cut into `max_length`-token windows). `long_documents` trains on documents of `max_length`
+tokens cut from the vendored texts concatenated, tokenized with the model's tokenizer as a stream, one per row
+(`packing: true`): the million-token recipes, whose `rope_parameters` (YaRN) extend the model's positions to
+`max_length`. `compare_to` names a finished run (e.g. the same recipe with `sp_size: 1`) whose loss curve is
+compared and plotted at the end.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
 import datasets
 import transformers
 from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, TrlParser
 
 import hf_longctx
-from hf_longctx.data.defaults import document_dataset, gpt2_tokenizer, tiny_llama, window_dataset
+from hf_longctx.data.defaults import gpt2_tokenizer, tiny_llama, tiny_llama_config, window_dataset
+from hf_longctx.data.long_documents import corpus_documents
 from hf_longctx.instrument.curves import compare_runs, plot_loss_curves
 from hf_longctx.integrations.trainer import sp_state
 from hf_longctx.integrations.trainer.callbacks import ThroughputCallback
@@ -46,7 +49,9 @@ class LongContextArguments:
     dataset_name: str | None = field(
         default=None, metadata={"help": "HF dataset (text or messages); unset = Shakespeare."}
     )
-    max_windows: int | None = field(default=None, metadata={"help": "Cap on training windows of the default data."})
+    max_windows: int | None = field(
+        default=None, metadata={"help": "Cap on training rows of the shipped data (windows or long documents)."}
+    )
     eval_windows: int = field(default=0, metadata={"help": "Held-out windows to evaluate on (default data)."})
     compare_to: str | None = field(default=None, metadata={"help": "Output dir of a reference run to compare with."})
     tiled_loss: bool = field(default=False, metadata={"help": "LM head + loss in token tiles (no full logits)."})
@@ -59,9 +64,20 @@ class LongContextArguments:
     )
     long_documents: bool = field(
         default=False,
-        metadata={"help": "Whole vendored texts as documents, packed into rows of max_length (packing: true)."},
+        metadata={"help": "Documents of max_length tokens cut from the vendored texts concatenated (packing: true)."},
     )
     document_repeats: int = field(default=1, metadata={"help": "long_documents: list the corpus this many times."})
+    rope_parameters: str | None = field(
+        default=None,
+        metadata={
+            "help": "Replace the model's RoPE (transformers' rope_parameters, JSON or a YAML mapping), e.g. YaRN; "
+            "rope_theta defaults to the model's."
+        },
+    )
+    max_position_embeddings: int | None = field(
+        default=None,
+        metadata={"help": "With rope_parameters: the model's positions (default factor x original positions)."},
+    )
 
 
 def _tiles(value: bool | int | str) -> bool | int:
@@ -106,14 +122,15 @@ def main() -> None:
     if lc.model_name_or_path in (None, "tiny"):
         lc.model_name_or_path = None
         tokenizer = gpt2_tokenizer()
-        model = tiny_llama(
-            tokenizer,
+        shape = dict(
             num_hidden_layers=lc.tiny_layers,
             num_attention_heads=lc.tiny_heads,
             num_key_value_heads=lc.tiny_kv_heads,
             hidden_size=16 * lc.tiny_heads,  # heads of 16 dims (the default: 8 heads, hidden 128)
             attn_implementation=lc.attn_implementation,
         )
+        context = _context(lc, tiny_llama_config(tokenizer, **shape))
+        model = tiny_llama(tokenizer, **shape, **context)
         train = _documents(tokenizer, args, lc) or window_dataset(
             tokenizer, args.max_length, max_windows=lc.max_windows
         )
@@ -126,8 +143,12 @@ def main() -> None:
         from datasets import load_dataset
 
         tokenizer = AutoTokenizer.from_pretrained(lc.model_name_or_path)
+        config = AutoConfig.from_pretrained(lc.model_name_or_path)
+        for key, value in _context(lc, config.get_text_config()).items():
+            setattr(config.get_text_config(), key, value)
         model = AutoModelForCausalLM.from_pretrained(
             lc.model_name_or_path,
+            config=config,
             attn_implementation=lc.attn_implementation,
             dtype=weights_dtype(lc.model_dtype),
         )
@@ -166,12 +187,38 @@ def main() -> None:
 
 
 def _documents(tokenizer, args: SFTConfig, lc: LongContextArguments):
-    """`long_documents`: the vendored texts whole, for TRL to pack into rows of `max_length` (None otherwise)."""
+    """`long_documents`: documents of `max_length` tokens from the vendored texts concatenated (None otherwise)."""
     if not lc.long_documents:
         return None
     if not args.packing:
-        raise ValueError("long_documents needs packing: true (rows of whole documents up to max_length tokens).")
-    return document_dataset(tokenizer, args.max_length, repeats=lc.document_repeats)
+        raise ValueError("long_documents needs packing: true (one document of max_length tokens per row).")
+    with args.main_process_first(desc="tokenizing the shipped corpus"):  # one rank writes the cache, the rest read
+        rows = corpus_documents(
+            tokenizer, args.max_length, repeats=lc.document_repeats, max_documents=lc.max_windows, seed=args.seed
+        )
+    if args.process_index == 0:
+        print(f"training rows: {len(rows)} documents of {args.max_length:,} tokens from the shipped corpus")
+    return rows
+
+
+def _context(lc: LongContextArguments, config) -> dict:
+    """`rope_parameters` and `max_position_embeddings` for the model's config ({} when the recipe keeps its RoPE).
+
+    A recipe's RoPE replaces the model's whole `rope_parameters` (Llama 3.1's own `llama3` scaling included);
+    `rope_theta` defaults to the model's, the positions to `factor x original_max_position_embeddings`."""
+    if lc.rope_parameters is None:
+        return {}
+    rope = json.loads(lc.rope_parameters) if isinstance(lc.rope_parameters, str) else dict(lc.rope_parameters)
+    theta = (config.rope_parameters or {}).get("rope_theta")
+    if theta is not None:
+        rope.setdefault("rope_theta", theta)
+    positions = lc.max_position_embeddings
+    if positions is None and {"factor", "original_max_position_embeddings"} <= rope.keys():
+        positions = int(rope["factor"] * rope["original_max_position_embeddings"])
+    positions = positions or config.max_position_embeddings
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"RoPE: {json.dumps(rope, sort_keys=True)}, {positions:,} positions")
+    return {"rope_parameters": rope, "max_position_embeddings": positions}
 
 
 def _ring_options(lc: LongContextArguments) -> dict:

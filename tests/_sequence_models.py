@@ -1,7 +1,8 @@
 """Tiny models whose forward reads the whole sequence outside attention (for tests/dist/test_sequence_ops.py).
 
 `sequence_model(kind)`: "dynamic" (Llama, dynamic-NTK RoPE, 32 native positions), "longrope" (Phi-3, 16 native
-positions), "temperature" (Llama 4 text, attention temperature on its no-RoPE layer, floor_scale 4), or
+positions), "temperature" (Llama 4 text, attention temperature on its no-RoPE layer, floor_scale 4),
+"position_scale" (Ministral 3, queries scaled by their position id), or
 "moe:<model_type>" (`tests._moe_models.tiny_moe`: router loss on). Float32, train mode, identical for equal seeds.
 """
 
@@ -19,7 +20,7 @@ _COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_
 
 
 def _config(kind: str):
-    from transformers import Llama4TextConfig, LlamaConfig, Phi3Config
+    from transformers import AutoConfig, Llama4TextConfig, LlamaConfig, Phi3Config
 
     if kind == "dynamic":
         rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
@@ -43,6 +44,11 @@ def _config(kind: str):
             # Llama 4's forward adds no router loss; with a coefficient TRL would add Mixtral's (refused under SP).
             router_aux_loss_coef=0.0,
         )
+    if kind == "position_scale":
+        # Ministral 3: queries scaled by 1 + beta log(1 + floor(position / 8)), from the position_ids given.
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+                "original_max_position_embeddings": 8}  # fmt: skip
+        return AutoConfig.for_model("ministral3", **_COMMON, max_position_embeddings=512, rope_parameters=rope)
     raise ValueError(f"unknown kind {kind!r}")
 
 

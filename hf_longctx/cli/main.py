@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-rank peak memory and the longest sequence that fits, before launching (no GPU needed)",
         description=(
             "Model one training step's per-rank peak memory by term for a model config, sequence length, "
-            "SP size, engine and memory flags. Exit 0 = fits, 1 = does not fit, 2 = invalid input."
+            "SP size, engine and memory flags; when it does not fit with the planner's error (15%) as headroom, "
+            "print the cheapest configuration that does, as the settings to use. Exit 0 = fits, 3 = tight (fits "
+            "with less headroom), 1 = does not fit, 2 = invalid input."
         ),
     )
     plan_cli.add_arguments(plan_parser)

@@ -1,7 +1,9 @@
 """`hf-longctx plan`: per-rank peak memory and the longest trainable sequence, before launching.
 
-`add_arguments` defines the flags, `run` prints the plan (a table, or one JSON object with `--json`).
-The numbers come from `planner.estimate` / `planner.max_seq_len`; nothing is launched or downloaded.
+`add_arguments` defines the flags, `run` prints the plan (a table, or one JSON object with `--json`) and, when it
+does not fit with the planner's error as headroom, the cheapest configuration that does, as the settings to use.
+The numbers come from `planner.estimate` / `planner.max_seq_len` / `planner.search`; nothing is launched or
+downloaded.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import os
 import sys
 from typing import Any
 
-from hf_longctx.planner.advice import Advice, next_flag
 from hf_longctx.planner.devices import DEVICES, DeviceProfile
-from hf_longctx.planner.estimate import Plan, estimate, max_seq_len
+from hf_longctx.planner.estimate import PLAN_ERROR, Plan, estimate, max_seq_len
 from hf_longctx.planner.model_shape import load_model_shape, shipped_model_names
 from hf_longctx.planner.run import ATTNS, DTYPES, ENGINES, SP_BACKENDS, UNMODELLED_BACKENDS, RunConfig
+from hf_longctx.planner.search import SearchResult, search
+from hf_longctx.planner.settings import settings_for
+
+EXIT_CODES = {"fits": 0, "tight": 3}  # anything else: 1 (does not fit); 2: invalid input
 
 GENERIC_GPU = DeviceProfile("gpu", 0.0, DEVICES["h100"].runtime_gib, DEVICES["h100"].fragmentation)
 
@@ -81,12 +86,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks-per-node", type=int, default=None, help="ranks sharing one node's host RAM (default: min(world, 8))"
     )
-    parser.add_argument("--liger-kernels", action="store_true", help="Liger RMSNorm/SwiGLU/RoPE/fused loss (ALST)")
+    parser.add_argument(
+        "--liger-kernels",
+        action="store_true",
+        help="model Liger's RMSNorm/SwiGLU/RoPE/fused loss as ALST ran them (to compare with its published runs); "
+        "no hf_longctx setting turns them on, so the search plans without them",
+    )
     parser.add_argument("--router-loss", action="store_true", help="MoE: train with the router load-balancing loss on")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--attn", choices=ATTNS, default="flash", help="attention kernel (default flash)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
-    parser.add_argument("--max-seq", action="store_true", help="also bisect the longest S that fits")
+    parser.add_argument(
+        "--max-seq", action="store_true", help="also bisect the longest S that fits (with the headroom; at capacity)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -129,36 +141,39 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan; exit 0 when it fits, 1 when it does not, 2 on invalid input."""
+    """Print the plan, and the cheapest configuration that fits when it does not; exit 0 when it fits with the
+    planner's error as headroom, 3 when it fits by less ("tight"), 1 when it does not fit, 2 on invalid input."""
     try:
         model = load_model_shape(args.model)
         config = run_config(args)
         device = device_profile(args)
         plan = estimate(model, config, device)
-        longest = max_seq_len(model, config, device) if args.max_seq else None
-        advise = args.max_seq or not plan.fits
-        advice = next_flag(model, config, device, with_max_seq=args.max_seq) if advise else None
+        if args.max_seq:
+            plan = Plan(**{**plan.__dict__, "max_seq": max_seq_len(model, config, device)})
+        longest = max_seq_len(model, config, device, margin=PLAN_ERROR) if args.max_seq else None
+        # The search ends in GPU launch settings: the CPU profile is for checking the model against CPU runs.
+        found = search(model, config, device) if plan.verdict() != "fits" and not device.host_is_device else None
     except ValueError as exc:
         print(f"hf-longctx plan: error: {exc}", file=sys.stderr)
         return 2
     if plan.host_capacity_gib is not None and plan.host_gib > plan.host_capacity_gib:
         print(f"hf-longctx plan: error: {plan.notes[-1]}", file=sys.stderr)
-    if longest is not None:
-        plan = Plan(**{**plan.__dict__, "max_seq": longest})
     if args.json:
         out: dict[str, Any] = {"model": model.name, "device": device.name, "run": vars(config), **plan.as_dict()}
-        if advise:
-            out["next_flag"] = advice and vars(advice)
+        if longest is not None:
+            out["max_seq_fits"] = longest
+        if found is not None:
+            out["search"] = search_dict(args.model, found)
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(plan, model.name, config, device))
-        if advise:
-            print(format_advice(advice))
-    return 0 if plan.fits else 1
+        print(format_plan(plan, model.name, config, device, longest))
+        if found is not None:
+            print(format_search(args.model, found, config))
+    return EXIT_CODES.get(plan.verdict(), 1)
 
 
-def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfile) -> str:
-    """The human-readable table."""
+def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfile, longest: int | None = None) -> str:
+    """The human-readable table; `longest`: the longest sequence that fits with the headroom (`--max-seq`)."""
     flags = [
         name
         for name, on in (
@@ -189,27 +204,81 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
     for term, gib in plan.breakdown.items():
         lines.append(f"  {term.replace('_', ' '):32s} {gib:9.2f}")
     share = plan.breakdown[plan.dominant] / plan.peak_gib if plan.peak_gib else 0.0
-    verdict = "fits" if plan.fits else "does NOT fit"
-    if not plan.fits and plan.peak_gib <= plan.capacity_gib:
-        verdict = "fits the device, NOT the host RAM"
     lines += [
         f"  {'-' * 42}",
-        f"  {'peak (' + plan.peak_phase + ' phase)':32s} {plan.peak_gib:9.2f}  of {plan.capacity_gib:.2f}: {verdict}",
+        f"  {'peak (' + plan.peak_phase + ' phase)':32s} {plan.peak_gib:9.2f}  of {plan.capacity_gib:.2f}: "
+        + verdict_text(plan),
         f"  dominant term: {plan.dominant.replace('_', ' ')} ({100 * share:.0f}% of the peak)",
+        f'  "fits" needs {100 * PLAN_ERROR:.0f}% headroom, the planner\'s largest measured error (docs/planner.md); '
+        'less is "tight"',
     ]
     if plan.max_seq is not None:
-        lines.append(f"  longest sequence that fits: {plan.max_seq:,} tokens")
+        lines.append(f"  longest sequence that fits: {longest:,} tokens ({plan.max_seq:,} at the device's capacity)")
+    if run.liger_kernels:
+        lines.append("  note: --liger-kernels models ALST's Liger kernels; no hf_longctx setting turns them on")
     lines += [f"  note: {note}" for note in plan.notes]
     lines += [f"  WARNING: {warning}" for warning in plan.warnings]
     return "\n".join(lines)
 
 
-def format_advice(advice: Advice | None) -> str:
-    """One line: the flag to turn on next and what it gives, or that none not yet on lowers the peak."""
-    if advice is None:
-        return "  next flag: none (no flag not yet on lowers the peak, or lengthens --max-seq, within the host RAM)"
-    verdict = "fits" if advice.fits else "still does NOT fit"
-    line = f"  next flag: {advice.flag} -> peak {advice.peak_gib:.2f} GiB ({verdict}; host {advice.host_gib:.2f} GiB)"
-    if advice.max_seq is not None:
-        line += f", longest sequence {advice.max_seq:,} tokens"
-    return line
+def verdict_text(plan: Plan) -> str:
+    """The verdict with the headroom it leaves, or how far over the device it is."""
+    if plan.peak_gib > plan.capacity_gib:
+        return f"{plan.verdict()} ({plan.peak_gib - plan.capacity_gib:.2f} GiB over)"
+    return f"{plan.verdict()} ({100 * plan.headroom:.0f}% headroom)"
+
+
+def format_search(model_arg: str, found: SearchResult, asked: RunConfig) -> str:
+    """The cheapest configuration that fits, as the settings to use; or, if none does, the lowest peak planned."""
+    searched = f"planned {found.planned:,} of {found.candidates:,}: engine, offloads, SP size, memory flags"
+    if found.best is None:
+        lines = [f"  no configuration fits with {100 * PLAN_ERROR:.0f}% headroom ({searched})"]
+        if found.lowest is not None:
+            lowest = found.lowest.plan
+            lines += [
+                f"  lowest peak: {lowest.peak_gib:.2f} GiB, {verdict_text(lowest)}:",
+                f"    {settings_for(model_arg, found.lowest.run).plan_command}",
+            ]
+        lines.append("  use more GPUs (--world), a shorter --seq-len, or more --host-memory where offloads need it")
+        return "\n".join(lines)
+    best = found.best
+    settings = settings_for(model_arg, best.run)
+    lines = [
+        f"  cheapest configuration that fits ({searched}; cheapest first, docs/planner.md):",
+        f"    peak {best.plan.peak_gib:.2f} of {best.plan.capacity_gib:.2f} GiB, {100 * best.plan.headroom:.0f}% "
+        f"headroom; host RAM {best.plan.host_gib:.2f} GiB per node",
+        f"    {settings.plan_command}",
+        "    TrainingArguments / SFTConfig: {},\n        {}".format(*settings.python()),
+    ]
+    if settings.model_config:
+        lines.append("    model config: " + ", ".join(f"{k}={v!r}" for k, v in settings.model_config.items()))
+    lines.append(f"    {settings.launch_command}")
+    if best.run.world > best.run.node_ranks:
+        lines.append("    (on every node, with its own NODE_RANK and the first node's address as MAIN_NODE_IP)")
+    if asked.liger_kernels:
+        lines.append("    (planned without --liger-kernels: no hf_longctx setting turns them on)")
+    return "\n".join(lines)
+
+
+def search_dict(model_arg: str, found: SearchResult) -> dict[str, Any]:
+    """The search for `--json`: the configuration that fits (or null) with its settings, and the lowest peak."""
+    out: dict[str, Any] = {"planned": found.planned, "candidates": found.candidates, "fits": None}
+    if found.best is not None:
+        best, settings = found.best, settings_for(model_arg, found.best.run)
+        out["fits"] = {
+            "run": vars(best.run),
+            "peak_gib": best.plan.peak_gib,
+            "headroom": round(best.plan.headroom, 4),
+            "host_gib": best.plan.host_gib,
+            "cost": best.cost,
+            "training_arguments": settings.training_arguments,
+            "parallelism_config": settings.parallelism_config,
+            "model_config": settings.model_config,
+            "launch_config": settings.launch_config,
+            "launch_flags": list(settings.launch_flags),
+            "launch_command": settings.launch_command,
+            "plan_command": settings.plan_command,
+        }
+    if found.lowest is not None:
+        out["lowest_peak_gib"] = found.lowest.plan.peak_gib
+    return out

@@ -152,6 +152,12 @@ def tiny_llama(tokenizer: PreTrainedTokenizerBase, seed: int = 0, **overrides: o
     return model.to(config.dtype) if isinstance(config.dtype, torch.dtype) else model
 
 
+def corpus_names() -> list[str]:
+    """The file stems of the vendored Shakespeare texts (e.g. ``"hamlet"``), sorted; nothing is read."""
+    root = _data_path("shakespeare")
+    return sorted(p.name[: -len(".txt.gz")] for p in root.iterdir() if p.name.endswith(".txt.gz"))
+
+
 def load_corpus(names: Sequence[str] | None = None) -> dict[str, str]:
     """The vendored Shakespeare texts (42 plays and poems, public domain).
 
@@ -164,8 +170,7 @@ def load_corpus(names: Sequence[str] | None = None) -> dict[str, str]:
     Raises:
         KeyError: a requested name is not vendored.
     """
-    root = _data_path("shakespeare")
-    available = sorted(p.name[: -len(".txt.gz")] for p in root.iterdir() if p.name.endswith(".txt.gz"))
+    available = corpus_names()
     missing = sorted(set(names or ()) - set(available))
     if missing:
         raise KeyError(f"unknown Shakespeare text(s) {missing}; available: {available}")
@@ -239,45 +244,3 @@ def window_dataset(
         corpus = {k: v for k, v in load_corpus().items() if k not in HELD_OUT}
     windows = token_windows(tokenizer, corpus.values(), window, max_windows=max_windows)
     return datasets.Dataset.from_dict({"input_ids": windows})
-
-
-def document_dataset(
-    tokenizer: PreTrainedTokenizerBase,
-    max_tokens: int,
-    *,
-    repeats: int = 1,
-    split: str = "train",
-    names: Sequence[str] | None = None,
-) -> datasets.Dataset:
-    """Whole vendored texts as documents, for rows of real long text packed by TRL (`SFTConfig(packing=True)`).
-
-    Each play or poem is one document, tokenized whole with the tokenizer's end-of-sequence token appended; a
-    document longer than `max_tokens` (one row) is left out rather than cut, so every row TRL packs holds whole
-    documents. `repeats` lists the corpus that many times (about 1.4M GPT-2 tokens per listing: a 1M-token row
-    fills from one listing, several rows need several).
-
-    Args:
-        tokenizer: the model's tokenizer.
-        max_tokens: the longest document kept (a row's length).
-        repeats: how many times the documents are listed.
-        split: ``"train"`` (every text but ``HELD_OUT``) or ``"eval"`` (``HELD_OUT``).
-        names: only these texts (file stems) of the split; ``None``: all of them.
-
-    Returns:
-        A ``datasets.Dataset`` with one column, ``input_ids``.
-
-    Raises:
-        ValueError: ``max_tokens`` or ``repeats`` below 1, an unknown ``split``, or no document fits a row.
-    """
-    if max_tokens < 1 or repeats < 1:
-        raise ValueError(f"max_tokens ({max_tokens}) and repeats ({repeats}) must be >= 1")
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    corpus = load_corpus(HELD_OUT) if split == "eval" else {k: v for k, v in load_corpus().items() if k not in HELD_OUT}
-    corpus = {k: v for k, v in corpus.items() if names is None or k in names}
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    documents = [tokenizer(text, add_special_tokens=False)["input_ids"] + eos for text in corpus.values()]
-    documents = [doc for doc in documents if len(doc) <= max_tokens]
-    if not documents:
-        raise ValueError(f"no vendored document fits a row of {max_tokens} tokens; raise max_length")
-    return datasets.Dataset.from_dict({"input_ids": documents * repeats})

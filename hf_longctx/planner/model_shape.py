@@ -54,6 +54,7 @@ class ModelShape:
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0
     attention_chunk: int = 0
+    model_type: str = ""  # the config's `model_type`: which of hf_longctx's per-family features apply
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -111,6 +112,7 @@ class ModelShape:
             expert_intermediate=expert_intermediate if experts else 0,
             shared_intermediate=shared,
             own_attention=own,
+            model_type=str(config.get("model_type", "")),
             **_attention_layers(config, int(config["num_hidden_layers"])),
         )
 

@@ -8,7 +8,8 @@ right-padded row and a length that needs SP padding; packed rows restart their p
 - MoE router load-balancing loss, every family that builds from the tiny recipe and that SP serves;
 - run-time RoPE: dynamic NTK and longrope, over a long batch then a short one (their state resets), single and
   packed documents;
-- Llama 4's attention temperature on its no-RoPE layer, Ulysses and ring.
+- Llama 4's attention temperature on its no-RoPE layer, Ulysses and ring;
+- Ministral 3's query scale from `position_ids`, exact as is (a guard against a change that would break it).
 Each fails on f1bc042 (before hf_longctx.sequence): shard-local statistics, lengths and indices.
 """
 
@@ -133,6 +134,8 @@ def test_router_loss_sp4_packed_and_ring():
 def test_runtime_rope_and_temperature_sp2():
     cases = [(kind, "ulysses", batches) for kind in ("dynamic", "longrope") for batches in ("long_short", "packed")]
     cases += [("temperature", backend, "padded") for backend in ("ulysses", "ring")]
+    # Exact as is: Ministral 3 scales queries from the (global) position ids the attention is given.
+    cases += [("position_scale", backend, "packed") for backend in ("ulysses", "ring")]
     _check(cases, 2)
 
 

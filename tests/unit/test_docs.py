@@ -1,7 +1,9 @@
-"""The README and the docs site: the site builds strictly, every page is in its nav and linked from the README,
-every relative link of the README and of the pages resolves (anchors as GitHub and mkdocs both spell them), the
-tests they name exist, and the README's test command is CI's."""
+"""The README and the docs site: the site builds strictly, links no raw file (a link out of docs/ opens the file's
+page on the repository host; images are copied in) and sets its public addresses, every page is in its nav and
+linked from the README, every relative link of the README and of the pages resolves (anchors as GitHub and mkdocs
+both spell them), the tests they name exist, the README stays short, and the README's test command is CI's."""
 
+import ast
 import importlib.util
 import os
 import re
@@ -9,6 +11,7 @@ import shlex
 import subprocess
 import sys
 import unicodedata
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
+README_MAX_LINES = 250
 
 
 def _hooks():
@@ -102,13 +106,71 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
     for page in _pages():
         built = tmp_path / ("index.html" if page.stem == "index" else f"{page.stem}/index.html")
         assert built.is_file(), built
-    # repository files the pages link to are copied into the site, e.g. the benchmark plots
+    # images the pages embed from outside docs/ are copied into the site, e.g. the benchmark plots
     assert (tmp_path / "_repo" / "benchmarks" / "results" / "2026-12-01-memory-peak.png").is_file()
+    config = _mkdocs_config()
+    errors = _raw_file_links(tmp_path, config["repo_url"], urllib.parse.urlparse(config["site_url"]).path)
+    assert not errors, "\n".join(errors)
+
+
+def _mkdocs_config() -> dict:
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+
+
+def _raw_file_links(site: Path, repo_url: str, base: str = "/") -> list[str]:
+    """Every `<a href>` of the built site that opens a raw file: a file of the site that is not a page, or the
+    repository host's raw view. A page is a folder with an index.html or an .html file; `base` is the path of
+    site_url, which absolute links start with."""
+    errors = []
+    for html in site.rglob("*.html"):
+        for href in re.findall(r"<a\b[^>]*?\bhref=\"([^\"]*)\"", html.read_text(encoding="utf-8")):
+            where = f"{html.relative_to(site)}: {href}"
+            if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", href):
+                if "raw.githubusercontent.com" in href or "/raw/" in href:
+                    errors.append(f"{where} (the host's raw view)")
+                elif href.startswith(repo_url + "/") and not re.match(rf"{re.escape(repo_url)}/(blob|tree)/", href):
+                    errors.append(f"{where} (neither a file's nor a folder's page)")
+                continue
+            path = href.split("#", 1)[0].split("?", 1)[0]
+            if path.startswith(base):  # absolute under site_url's path (the 404 page's links)
+                path = os.path.relpath(site / path[len(base) :], html.parent)
+            target = (html.parent / path).resolve()
+            page = (target / "index.html").is_file() or (target.suffix == ".html" and target.is_file())
+            if href.split("#", 1)[0] and not page:
+                errors.append(f"{where} (not a page of the site)")
+    return errors
+
+
+def test_raw_file_link_check_catches_raw_links(tmp_path):
+    """The check above fails on each kind of raw link (a copied file, the host's raw view)."""
+    (tmp_path / "page").mkdir()
+    (tmp_path / "page" / "index.html").write_text('<a href="../">home</a> <a href="#x">anchor</a>')
+    (tmp_path / "index.html").write_text(
+        '<a href="page/">ok</a> <a href="_repo/tests/test_x.py">raw</a> '
+        '<a href="https://github.com/o/r/blob/main/a.py">ok</a> <a href="https://github.com/o/r/raw/main/a.py">raw</a>'
+    )
+    (tmp_path / "_repo" / "tests").mkdir(parents=True)
+    (tmp_path / "_repo" / "tests" / "test_x.py").write_text("")
+    errors = _raw_file_links(tmp_path, "https://github.com/o/r")
+    assert len(errors) == 2 and "test_x.py" in errors[0] + errors[1], errors
+
+
+def test_site_and_repository_addresses_are_set():
+    config = _mkdocs_config()
+    assert re.match(r"^https://[^/]+/.*/$", config["site_url"]), "site_url: the published address, ending in /"
+    assert re.match(r"^https://github\.com/[\w.-]+/[\w.-]+$", config["repo_url"]), config.get("repo_url")
+    assert re.match(r"^blob/[\w.-]+/docs/$", config["edit_uri"]), "edit_uri: blob/<branch>/docs/ (the hook's links)"
+
+
+def test_readme_stays_short():
+    lines = len(README.read_text(encoding="utf-8").splitlines())
+    assert lines < README_MAX_LINES, (
+        f"README.md has {lines} lines; keep it under {README_MAX_LINES}: move detail to docs/"
+    )
 
 
 def test_every_docs_page_is_in_the_nav_and_linked_from_the_readme():
-    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
-    nav = set(_nav_pages(config["nav"]))
+    nav = set(_nav_pages(_mkdocs_config()["nav"]))
     pages = {p.name for p in _pages()}
     assert pages == nav, f"in docs/ but not in nav: {pages - nav}; in nav but not in docs/: {nav - pages}"
     linked = {
@@ -159,3 +221,44 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
     lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
     assert f"bash scripts/install.sh dev && {shlex.join(test_cmd)}" in lines, lines
+
+
+def _section(path: Path, heading: str) -> str:
+    return path.read_text(encoding="utf-8").split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _logged_steps(text: str) -> list[dict[str, float]]:
+    """The Trainer's per-step log dicts in `text` (values printed as strings), as numbers."""
+    steps = [ast.literal_eval(m) for m in re.findall(r"\{'loss': [^}]*\}", text)]
+    return [{k: float(v) for k, v in step.items() if k != "tokens_per_second"} for step in steps]
+
+
+@pytest.mark.slow
+def test_quickstart_prints_the_documented_output(tmp_path):
+    """Home's quickstart command, run as written (output folder moved to tmp), logs the steps its expected output
+    shows: loss, grad_norm, token accuracy, token count (tokens/s is the machine's)."""
+    section = _section(DOCS / "index.md", "Quickstart")
+    command = shlex.split(re.search(r"```bash\n(.*?)\n```", section, flags=re.S).group(1))
+    expected = _logged_steps(re.search(r"```text\n(.*?)```", section, flags=re.S).group(1))
+    assert command[:2] == ["accelerate", "launch"] and len(expected) == 3, (command, expected)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *command[2:], "--output_dir", str(tmp_path / "out")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = _logged_steps(done.stdout + done.stderr)
+    assert len(logged) == len(expected), done.stdout[-2000:]
+    for step, (want, got) in enumerate(zip(expected, logged, strict=True), start=1):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=2e-3), f"step {step} {key}: documented {value}, logged {got}"
+
+
+def test_hardware_status_is_on_the_first_screen_of_the_readme_and_home():
+    """What ran on which GPU and what never has: in the README's first 25 lines and Home's first section, naming
+    the same commit for the last GPU run."""
+    readme = "\n".join(README.read_text(encoding="utf-8").splitlines()[:25])
+    home = _section(DOCS / "index.md", "What has run on a GPU")
+    commits = []
+    for text in (readme, home):
+        assert re.search(r"never r[au]n on a GPU", text), text
+        commits.append(re.search(r"commit `([0-9a-f]{7,40})`", text).group(1))
+    assert commits[0] == commits[1], commits

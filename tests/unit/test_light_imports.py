@@ -39,7 +39,13 @@ def test_importing_the_planner_imports_no_torch():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["plan", "--help"], ["check", "--help"], ["plan", "--model", "qwen3-4b", "--seq-len", "8192"]],
+    [
+        ["--help"],
+        ["plan", "--help"],
+        ["check", "--help"],
+        ["plan", "--model", "qwen3-4b", "--seq-len", "8192"],
+        ["plan", "--model", "qwen3-4b", "--seq-len", "1048576", "--world", "8"],  # does not fit: the search runs
+    ],
 )
 def test_cli_help_and_plan_import_no_torch(argv):
     assert _heavy_modules_after(CLI.format(argv=argv)) == []

@@ -1,5 +1,5 @@
-"""The planner's `tiled_layer` terms, the issue-19 plan targets, host RAM of offloaded states and the
-next-flag advice (torch-free: no model is built)."""
+"""The planner's `tiled_layer` terms, the issue-19 plan targets and host RAM of offloaded states (torch-free: no
+model is built)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 
 from hf_longctx.cli.main import main
 from hf_longctx.planner import DEVICES, GIB, RunConfig, estimate, load_model_shape, max_seq_len
-from hf_longctx.planner.advice import next_flag
 from hf_longctx.planner.estimate import offloaded_state_bytes
 from hf_longctx.planner.terms import layer_bytes
 from hf_longctx.planner.tiled import layer_tiles, tiled_layer_bytes, tiled_terms
@@ -95,39 +94,18 @@ def test_offloaded_states_count_on_the_host():
     assert not refused.fits and "--offload-optimizer" in refused.notes[-1]
 
 
-def test_advice_picks_the_flag_that_lowers_the_peak_most_and_respects_host_ram():
-    run = RunConfig(seq_len=1_000_000, world=8, sp=8, engine="zero3", gradient_checkpointing=True,
-                    liger_kernels=True, tiled_loss=True)  # fmt: skip
-    free = next_flag(LLAMA, run, H100)
-    assert free.flag == "--offload-activations" and free.fits and free.host_gib > 200
-    limited = next_flag(LLAMA, _with(run, host_memory_gib=100), H100)
-    assert "offload" not in limited.flag and limited.flag == "--tiled-layer" and limited.host_gib == 0
-    assert limited.peak_gib == estimate(LLAMA, _with(run, tiled_layer=True), H100).peak_gib
-    assert next_flag(LLAMA, _with(ONE_H200, tiled_layer=True, seq_len=8192), H200) is None
-
-
-def test_advice_with_max_seq_drops_flags_that_shorten_it():
-    # 8 x H100 with 2 TiB of host RAM per node: offloading parameters lowers the peak but its host RAM shortens
-    # the longest sequence the host allows, so --max-seq advises nothing.
-    run = RunConfig(seq_len=6_000_000, world=8, sp=8, tiled_layer=True, ulysses_head_chunks=4, host_memory_gib=2048,
-                    **ALL)  # fmt: skip
-    assert next_flag(LLAMA, run, H100).flag == "--offload-params"
-    assert next_flag(LLAMA, run, H100, with_max_seq=True) is None
-    free = next_flag(LLAMA, _with(run, host_memory_gib=None), H100, with_max_seq=True)
-    assert free.flag == "--offload-params" and free.max_seq > max_seq_len(LLAMA, _with(run, host_memory_gib=None), H100)
-
-
-def test_cli_tiled_layer_and_next_flag(capsys):
+def test_cli_tiled_layer_longest_sequence(capsys):
     assert main([*ALL_FLAGS_ARGV, "--max-seq"]) == 0
     text = capsys.readouterr().out
-    assert "longest sequence that fits: 1,216,877 tokens" in text
-    assert "next flag: --tiled-layer -> peak" in text and "longest sequence 2,117,666 tokens" in text
+    assert "longest sequence that fits: 1,029,305 tokens (1,216,877 at the device's capacity)" in text
+    assert main([*ALL_FLAGS_ARGV, "--tiled-layer", "--max-seq"]) == 0
+    assert "(2,117,666 at the device's capacity)" in capsys.readouterr().out
     assert main([*ALL_FLAGS_ARGV, "--tiled-layer", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["run"]["tiled_layer"] is True and "next_flag" not in out  # fits, no --max-seq: no advice
+    assert out["run"]["tiled_layer"] is True and "search" not in out  # fits: no search
     assert main([*ALL_FLAGS_ARGV[:-1], "3000000", "--tiled-layer", "64", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["run"]["tiled_layer"] == 64 and not out["fits"] and "next_flag" in out
+    assert out["run"]["tiled_layer"] == 64 and not out["fits"] and out["verdict"] == "does NOT fit" and "search" in out
 
 
 @pytest.mark.parametrize("tiles", [True, 64])

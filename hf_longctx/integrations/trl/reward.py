@@ -114,7 +114,7 @@ def setup_reward(trainer: Any, state: Any) -> None:
 
     Raises:
         UnsupportedSetup: the model is not a transformers sequence-classification model with a `score`
-            head, or it has no `pad_token_id`.
+            head, it has no `pad_token_id`, or it pools its score other than at the last token.
     """
     model = trainer.model
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -122,6 +122,10 @@ def setup_reward(trainer: Any, state: Any) -> None:
         raise UnsupportedSetup(f"{type(model).__name__} has no `score` head over the backbone's hidden states")
     if model.config.get_text_config().pad_token_id is None:
         raise UnsupportedSetup("the model config has no pad_token_id, so its last real token is undefined")
+    pooling = getattr(model, "pooling", None)
+    if pooling not in (None, "eos", "last"):
+        # Cohere-Compass scores the first token ("bos") or the mean over the row ("mean"); this path reads the last.
+        raise UnsupportedSetup(f"it pools its score with pooling={pooling!r}, and only the last-token score is served")
     patches = [
         Patch(model, "forward", _pooled_forward(model, state.groups)),
         Patch(trainer, "compute_loss", _compute_loss(trainer)),

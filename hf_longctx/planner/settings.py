@@ -1,0 +1,159 @@
+"""The settings that run a planned configuration: `settings_for(model_arg, run)`.
+
+Why: a plan is only useful when it ends in what to type. Each `RunConfig` field maps to one real setting: a
+`TrainingArguments` / `SFTConfig` field, an `hf_longctx.ParallelismConfig` field, a model config attribute, or the
+accelerate launch config in configs/ (the engine and its offloads) with `accelerate launch` flags where the YAML
+differs (process count, nodes, offload devices, mixed precision). `LAUNCH_CONFIGS` describes the shipped YAMLs;
+tests/unit/test_plan_search.py reads each one and checks the engine, offloads and process counts named here, and
+that every field and flag exists. `--liger-kernels` maps to no hf_longctx setting, so `settings_for` refuses it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from hf_longctx.planner.run import RunConfig
+
+SCRIPT = "train.py"  # the user's training script in the printed launch line
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A shipped accelerate YAML: the engine it configures, its offloads, processes and machines."""
+
+    path: str
+    engine: str
+    processes: int
+    machines: int = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+LAUNCH_CONFIGS: tuple[LaunchConfig, ...] = (
+    LaunchConfig("configs/ddp_sp4.yaml", "ddp", 4),
+    LaunchConfig("configs/zero3_sp8.yaml", "zero3", 8),
+    LaunchConfig("configs/fsdp2_sp8.yaml", "fsdp2", 8),
+    LaunchConfig("configs/zero3_offload_1gpu.yaml", "zero3", 1, offload_optimizer=True, offload_params=True),
+    LaunchConfig("configs/2nodes_sp8.yaml", "zero3", 16, machines=2),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to set for a planned run.
+
+    training_arguments: `TrainingArguments` / `SFTConfig` fields (besides `parallelism_config`).
+    parallelism_config: `hf_longctx.ParallelismConfig` fields (defaults left out).
+    model_config: attributes of the model's config (e.g. `output_router_logits` for `--router-loss`).
+    launch_config: the accelerate YAML under configs/; launch_flags: `accelerate launch` flags that adapt it.
+    plan_command: the `hf-longctx plan` command that plans exactly this run.
+    """
+
+    training_arguments: dict[str, Any]
+    parallelism_config: dict[str, Any]
+    model_config: dict[str, Any]
+    launch_config: str
+    launch_flags: tuple[str, ...]
+    plan_command: str
+
+    @property
+    def launch_command(self) -> str:
+        """The `accelerate launch` line (run on every node, with its own `--machine_rank`, when multi-node)."""
+        return " ".join(["accelerate", "launch", "--config_file", self.launch_config, *self.launch_flags, SCRIPT])
+
+    def python(self) -> tuple[str, str]:
+        """`TrainingArguments(...)` / `SFTConfig(...)` keywords as Python: the fields, then `parallelism_config=`."""
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.training_arguments.items())
+        parallel = ", ".join(f"{k}={v!r}" for k, v in self.parallelism_config.items())
+        return fields, f"parallelism_config=hf_longctx.ParallelismConfig({parallel})"
+
+
+def launch_config(run: RunConfig) -> LaunchConfig:
+    """The shipped YAML closest to `run`: same engine and single- or multi-node, then the same offloads, then the
+    same number of processes (the rest is adapted by `launch_flags`)."""
+    multi_node = run.world > run.node_ranks
+    options = [c for c in LAUNCH_CONFIGS if c.engine == run.engine and (c.machines > 1) == multi_node]
+    if not options:  # no multi-node YAML for this engine: the single-node one, with --num_machines
+        options = [c for c in LAUNCH_CONFIGS if c.engine == run.engine]
+    if not options:
+        raise ValueError(f"no launch config in configs/ runs --engine {run.engine}; plan with ddp, zero3 or fsdp2.")
+
+    def distance(config: LaunchConfig) -> tuple[int, int]:
+        offloads = (config.offload_optimizer, config.offload_params) != (run.offload_optimizer, run.offload_params)
+        return int(offloads), int(config.processes != run.world)
+
+    return min(options, key=distance)
+
+
+def launch_flags(run: RunConfig, config: LaunchConfig) -> tuple[str, ...]:
+    """`accelerate launch` flags that turn `config` into `run` (they override the YAML's values)."""
+    flags: list[str] = []
+    machines = -(-run.world // run.node_ranks)
+    if run.world != config.processes:
+        flags += ["--num_processes", str(run.world)]
+    if machines != config.machines:
+        flags += ["--num_machines", str(machines)]
+    if machines > 1:
+        flags += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MAIN_NODE_IP"]
+    if run.engine.startswith("zero"):
+        for flag, on, shipped in (
+            ("--offload_optimizer_device", run.offload_optimizer, config.offload_optimizer),
+            ("--offload_param_device", run.offload_params, config.offload_params),
+        ):
+            if on != shipped:
+                flags += [flag, "cpu" if on else "none"]
+    elif run.engine == "fsdp2" and run.offload_params != config.offload_params:
+        flags += ["--fsdp_offload_params", "true" if run.offload_params else "false"]
+    if run.dtype == "fp32":
+        flags += ["--mixed_precision", "no"]
+    return tuple(flags)
+
+
+def plan_flags(run: RunConfig) -> list[str]:
+    """The `hf-longctx plan` flags that describe `run` (defaults left out)."""
+    flags = ["--seq-len", str(run.seq_len), "--world", str(run.world), "--sp", str(run.sp)]
+    valued = (("--engine", run.engine, "ddp"), ("--dtype", run.dtype, "bf16"), ("--attn", run.attn, "flash"),
+              ("--micro-batch", run.micro_batch, 1), ("--ulysses-head-chunks", run.ulysses_head_chunks, 1),
+              ("--host-memory", run.host_memory_gib, None), ("--ranks-per-node", run.ranks_per_node, None))  # fmt: skip
+    for flag, value, default in valued:
+        if value != default:
+            flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    for flag, value in (("--tiled-mlp", run.tiled_mlp), ("--tiled-layer", run.tiled_layer)):
+        if value is not False:
+            flags += [flag] if value is True else [flag, str(value)]
+    switches = (("--gradient-checkpointing", run.gradient_checkpointing), ("--tiled-loss", run.tiled_loss),
+                ("--offload-activations", run.offload_activations), ("--offload-optimizer", run.offload_optimizer),
+                ("--offload-params", run.offload_params), ("--router-loss", run.router_loss))  # fmt: skip
+    return flags + [flag for flag, on in switches if on]
+
+
+def settings_for(model_arg: str, run: RunConfig) -> Settings:
+    """Every setting `run` needs, for the model given as `model_arg` (as typed to `--model`).
+
+    Raises:
+        ValueError: `run.liger_kernels` (no hf_longctx setting turns Liger's kernels on) or an engine without a
+            launch config in configs/.
+    """
+    if run.liger_kernels:
+        raise ValueError("--liger-kernels maps to no hf_longctx setting; plan without it to get settings to use.")
+    training: dict[str, Any] = {"per_device_train_batch_size": run.micro_batch, "bf16": run.dtype == "bf16"}
+    if run.gradient_checkpointing:
+        training["gradient_checkpointing"] = True
+    parallel: dict[str, Any] = {"sp_size": run.sp}
+    for key in ("tiled_loss", "tiled_mlp", "tiled_layer", "offload_activations"):
+        if getattr(run, key) is not False:
+            parallel[key] = getattr(run, key)
+    if run.ulysses_head_chunks > 1:
+        parallel["ulysses_head_chunks"] = run.ulysses_head_chunks
+    config = launch_config(run)
+    command = " ".join(["hf-longctx", "plan", "--model", shlex.quote(model_arg), *plan_flags(run)])
+    return Settings(
+        training_arguments=training,
+        parallelism_config=parallel,
+        model_config={"output_router_logits": True} if run.router_loss else {},
+        launch_config=config.path,
+        launch_flags=launch_flags(run, config),
+        plan_command=command,
+    )
