@@ -9,6 +9,8 @@ sets HF_LONGCTX_CPU_LAUNCH=1), so that the documented launch lines run unchanged
   FSDP plugin on MULTI_CPU is switched to FSDP, as on GPUs (tests/dist/_trainer_utils.accelerate_fsdp_on_cpu);
 - DeepSpeed reads no backend from the environment on CPU (its CPU accelerator would pick oneCCL): the test passes
   the recipe `--ddp_backend gloo`, which DeepSpeed's process group then uses.
+
+With HF_LONGCTX_LAUNCH_RECORD set to a folder, every rank also writes what it is there (`_launch_record`).
 """
 
 import os
@@ -31,3 +33,10 @@ if os.environ.get("HF_LONGCTX_CPU_LAUNCH") == "1" and "LOCAL_RANK" in os.environ
                 self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, plugin
 
         state.AcceleratorState.__init__ = _fsdp_on_cpu
+
+    _records = os.environ.get("HF_LONGCTX_LAUNCH_RECORD")
+    if _records:
+        import _launch_record
+
+        _launch_record.record_start(_records)
+        _launch_record.record_groups(_records)
