@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests._dist import REPO_ROOT
 
@@ -239,6 +240,7 @@ def test_deepspeed_yaml_without_the_standard_launcher_starts_a_job_per_node(refe
     config = tmp_path / "2nodes_sp8_f1bc042.yaml"
     lines = (REPO_ROOT / "configs" / "2nodes_sp8.yaml").read_text().splitlines(keepends=True)
     config.write_text("".join(line for line in lines if "deepspeed_multinode_launcher:" not in line))
+    assert "deepspeed_multinode_launcher" not in yaml.safe_load(config.read_text())["deepspeed_config"]
     job = _launch(_accelerate(str(config), DEEPSPEED)(tmp_path, _free_port()), tmp_path)
     assert not job.timed_out, job.tail()  # stopped as the ranks started, not after a hang
     assert {r["world"] for r in job.starts} == {PER_NODE}, job.starts  # each node a job of its own

@@ -38,5 +38,7 @@ if os.environ.get("HF_LONGCTX_CPU_LAUNCH") == "1" and "LOCAL_RANK" in os.environ
     if _records:
         import _launch_record
 
+        # The rank records itself, not the Python processes it starts (they inherit its environment).
+        del os.environ["HF_LONGCTX_LAUNCH_RECORD"]
         _launch_record.record_start(_records)
         _launch_record.record_groups(_records)
