@@ -231,3 +231,32 @@ def zero_optimizer_state_keys(optim_file: str) -> list[set[str]]:
     state = saved["optimizer_state_dict"]["optimizer_state_dict"]["state"]
     groups = len(saved["optimizer_state_dict"]["fp32_flat_groups"])
     return [set(state.get(i, {})) for i in range(groups)]
+
+
+def rebalance_for_data_parallel(batch_sampler: Any, dp_size: int, dp_rank: int) -> bool:
+    """Make transformers' `BatchRebalanceSampler` (5.x, `train_sampling_strategy="batch_rebalance"`) serve
+    `dp_size` data-parallel ranks, this one being `dp_rank`, in place; False for any other batch sampler.
+
+    The Trainer builds it with every process as a DP rank; under SP the ranks of a group must read the same
+    micro-batches, so only `world / sp` ranks split the effective batch. In place, because the Trainer finds
+    the sampler again by identity after `accelerator.prepare` (to keep accelerate from re-sharding it).
+    """
+    try:
+        from transformers.trainer_pt_utils import BatchRebalanceSampler
+    except ImportError:  # transformers without it offers no batch_rebalance strategy
+        return False
+    if not isinstance(batch_sampler, BatchRebalanceSampler):
+        return False
+    if batch_sampler.dp_size != dp_size:
+        per_rank = batch_sampler.effective_batch_size // batch_sampler.dp_size  # micro-batch x accumulation
+        batch_sampler.__init__(
+            lengths=batch_sampler.lengths,
+            effective_batch_size=per_rank * dp_size,
+            dp_size=dp_size,
+            grad_accum=batch_sampler.grad_accum,
+            shuffle=batch_sampler.shuffle,
+            seed=batch_sampler.seed,
+            rank=dp_rank,
+            drop_last=batch_sampler.drop_last,
+        )
+    return True

@@ -121,6 +121,12 @@ class ParallelismConfig(_AccelerateParallelismConfig):
         self.sp_handler = None
         if (self.tp_size or 1) > 1 and self.sp_size > 1:
             raise ValueError(f"tp_size > 1 cannot be combined with sp_backend={self.sp_backend!r} yet; set tp_size=1.")
+        if self.sp_size > 1:
+            # accelerate may never hand this config to `_validate_accelerator` (its shared state was configured
+            # earlier): the Trainer's own (gated) checks must exist already to refuse a run without SP.
+            from hf_longctx.integrations.trainer.patches import install_trainer_patches
+
+            install_trainer_patches()
 
     def _check_ring_options(self) -> None:
         if self.ring_variant is not None and self.ring_variant not in RING_VARIANTS:

@@ -1,7 +1,8 @@
-"""DPO (TRL `DPOTrainer`) with hf_longctx sequence parallelism.
+r"""DPO (TRL `DPOTrainer`) with hf_longctx sequence parallelism.
 
     torchrun --nproc_per_node 2 recipes/dpo.py --config recipes/tiny_dpo_cpu.yaml
-    accelerate launch --num_processes 4 recipes/dpo.py --config recipes/qwen3_4b_dpo_32k_sp4.yaml
+    accelerate launch --config_file configs/zero3_sp8.yaml --num_processes 4 \
+        recipes/dpo.py --config recipes/qwen3_4b_dpo_32k_sp4.yaml
 
 With `model_name_or_path` unset it trains the offline tiny Llama (GPT-2 tokenizer) on toy pairs cut from the
 vendored Shakespeare: the prompt is a passage, the chosen completion its true continuation, the rejected one a

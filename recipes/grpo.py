@@ -1,7 +1,8 @@
-"""GRPO (TRL `GRPOTrainer`) with hf_longctx sequence parallelism on the offline tiny Llama.
+r"""GRPO (TRL `GRPOTrainer`) with hf_longctx sequence parallelism on the offline tiny Llama.
 
     torchrun --nproc_per_node 2 recipes/grpo.py --config recipes/tiny_grpo_cpu.yaml
-    accelerate launch --num_processes 4 recipes/grpo.py --config recipes/qwen3_4b_grpo_sp4.yaml   # GPU template
+    accelerate launch --config_file configs/ddp_sp4.yaml \
+        recipes/grpo.py --config recipes/qwen3_4b_grpo_sp4.yaml   # GPU template
 
 Prompts are Shakespeare snippets (or a dataset's `prompt` column); the toy reward counts the letter "e" in a
 completion. Generation runs on the plain model on every rank; the log-prob forward and the loss run sharded over

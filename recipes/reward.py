@@ -1,7 +1,8 @@
-"""Reward model (TRL `RewardTrainer`, sequence classification) with hf_longctx sequence parallelism.
+r"""Reward model (TRL `RewardTrainer`, sequence classification) with hf_longctx sequence parallelism.
 
     torchrun --nproc_per_node 2 recipes/reward.py --config recipes/tiny_reward_cpu.yaml
-    accelerate launch --num_processes 4 recipes/reward.py --config recipes/qwen3_4b_reward_32k_sp4.yaml
+    accelerate launch --config_file configs/zero3_sp8.yaml --num_processes 4 \
+        recipes/reward.py --config recipes/qwen3_4b_reward_32k_sp4.yaml
 
 With `model_name_or_path` unset it trains a score head on the offline tiny Llama (GPT-2 tokenizer) over the
 toy Shakespeare pairs of `recipes/dpo.py` (chosen: a passage's true continuation; rejected: a passage from

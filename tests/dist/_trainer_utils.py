@@ -10,6 +10,7 @@ can see: row ids it collated, local sequence lengths and valid labels per forwar
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from typing import Any
@@ -185,6 +186,7 @@ def run_trainer(
     flags: dict[str, Any] | None = None,
     model_kind: str = "llama",
     zero: int | None = None,
+    sampling: str = "random",
 ) -> dict[str, Any]:
     """Train the tiny llama with the stock `transformers.Trainer` in this process (one rank).
 
@@ -197,10 +199,13 @@ def run_trainer(
     layer), which accelerate enables only on GPUs; `accelerate_fsdp_on_cpu` lifts that for the test.
     `sp_options`: more `ParallelismConfig` fields (sp_backend, ulysses_degree, ring_variant, ...);
     `flags`: hf_longctx memory flags (`tiled_loss`, ...), applied at SP=1 too. `model_kind`: another tiny model
-    (`tests._sequence_models.sequence_model`, e.g. "moe:qwen3_moe"); `zero`: a DeepSpeed ZeRO stage.
+    (`tests._sequence_models.sequence_model`, e.g. "moe:qwen3_moe"); `zero`: a DeepSpeed ZeRO stage;
+    `sampling`: the Trainer's `train_sampling_strategy`. The result's `sp_lines` are the lines hf_longctx logged
+    at the first step (what runs).
     """
     from transformers import Trainer, TrainingArguments
 
+    lines = LogLines("hf_longctx.integrations.trainer.first_step")
     model = _model(model_kind)
     forwards = ForwardRecorder(model)
     collator = RecordingCollator()
@@ -224,6 +229,7 @@ def run_trainer(
         save_steps=save_steps or 500,
         remove_unused_columns=False,
         label_smoothing_factor=label_smoothing,
+        train_sampling_strategy=sampling,
         gradient_checkpointing=gradient_checkpointing,
         parallelism_config=_parallelism(sp, sp_options, flags),
         **(FSDP2_ARGS if fsdp2 else {}),
@@ -246,6 +252,7 @@ def run_trainer(
         "epoch": trainer.state.epoch,
         "max_steps": trainer.state.max_steps,
         "attn": model.config._attn_implementation,
+        "sp_lines": lines.take(),
         **collator.take(),
         **forwards.take(),
     }
@@ -271,6 +278,35 @@ def run_trainer(
         k in vars(trainer.accelerator) for k in ("prepare", "prepare_data_loader", "gather_for_metrics")
     )
     return result
+
+
+class LogLines(logging.Handler):
+    """Collects the messages of one logger (from its WARNING records up) until `take()`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger(name)
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        """The messages so far; detaches the handler."""
+        self.logger.removeHandler(self)
+        return self.messages
+
+
+class Wrapper(torch.nn.Module):
+    """A user's module around a transformers model (no `.config`): the Trainer trains it as it is."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.inner(**kwargs)
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -378,14 +414,33 @@ def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
         "heads3": {"use_cpu": True, "sp": 2, "model": {"num_heads": 3, "num_kv_heads": 1, "hidden": 48}},
         # A compute_loss_func that may shift labels itself: refused at train().
         "unmarked_loss": {"use_cpu": True, "sp": 2, "loss": unshifted_loss},
+        # Several ranks but no DDP wrapper (ddp_backend given, use_cpu not): gradients never averaged.
+        "no_engine": {"use_cpu": False, "sp": 2, "ddp_backend": "gloo"},
+        # SP asked, not applied: a wrapper module is trained (accelerate.prepare can switch only the transformers
+        # model), refused at the first step.
+        "wrapper": {"use_cpu": True, "sp": 2, "wrap": True},
+        # SP asked, not applied: an Accelerator made earlier keeps accelerate's shared state (use_configured_state),
+        # the Trainer's accelerator never sees parallelism_config; refused when the Trainer is built. Last: it
+        # changes this process's accelerate state.
+        "configured_state": {"use_cpu": True, "sp": 2, "configured_state": True},
     }
     messages: dict[str, str | None] = {}
     for name, case in cases.items():
         stage = "init"
         try:
+            if case.get("configured_state"):
+                from accelerate import Accelerator
+                from accelerate.state import AcceleratorState
+
+                # As in a new process: this Accelerator is the first, no Trainer patch is installed yet.
+                AcceleratorState._reset_state(reset_partial_state=True)
+                hf_longctx.integrations.trainer.remove_trainer_patches()
+                Accelerator(cpu=True)
             args = TrainingArguments(
                 output_dir=os.path.join(out_dir, name),
                 use_cpu=case["use_cpu"],
+                ddp_backend=case.get("ddp_backend"),
+                accelerator_config={"use_configured_state": bool(case.get("configured_state"))},
                 report_to=[],
                 disable_tqdm=True,
                 max_steps=1,
@@ -393,6 +448,7 @@ def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
                 parallelism_config=_parallelism(case["sp"]),
             )
             model, train = tiny_model("llama", **case.get("model", {})), dataset("mixed", 4)
+            model = Wrapper(model) if case.get("wrap") else model
             trainer = Trainer(
                 model=model,
                 args=args,

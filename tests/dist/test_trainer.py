@@ -30,15 +30,26 @@ CONFIGS = {
     "smooth": {"label_smoothing": 0.1, "eval_data": (("eval", 7),)},
     "subclass": {"subclass": True, "steps": 2, "eval_data": (("eval", 7),), "predict": ("eval", 7)},
     "lossfn": {"loss_func": True, "steps": 3},
+    # train_sampling_strategy: "random" (the default) is every config above; GA 2 gives batch_rebalance two
+    # micro-batches per step to balance (of variable size).
+    "sequential": {"sampling": "sequential", "steps": 3},
+    "group_by_length": {"sampling": "group_by_length", "steps": 3},
+    "batch_rebalance": {"sampling": "batch_rebalance", "steps": 3, "ga": 2},
 }
 WORLD2_EXTRA = {
     "resume": {**CONFIGS["resume_full"], "sp": 2, "resume_from": "resume_full/checkpoint-3"},
     "ddp": {"steps": 3, "predict": ("eval", 7)},  # plain DDP over 2 ranks: the reference of DP=2 x SP=2
+    "ddp_rebalance": {"steps": 3, "sampling": "batch_rebalance"},
     # accelerate's own FSDP2 route (fully_shard per layer) with gradient checkpointing; last: it changes the
     # process's accelerate state.
     "fsdp2": {"sp": 2, "steps": 3, "fsdp2": True, "gradient_checkpointing": True},
 }
-DPSP = {"dpsp": {"steps": 3, "sp": 2, "predict": ("eval", 7)}}
+DPSP = {
+    "dpsp": {"steps": 3, "sp": 2, "predict": ("eval", 7)},
+    "dpsp_rebalance": {"steps": 3, "sp": 2, "sampling": "batch_rebalance"},
+}
+# The train_sampling_strategy of each config above ("sgd": the default, random).
+SAMPLING = {n: n for n in ("sequential", "group_by_length", "batch_rebalance")} | {"sgd": "random"}
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +204,14 @@ def test_missing_use_cpu_raises_on_every_rank(out_root):
         assert "use_cpu" in message
 
 
+def test_ranks_without_a_data_parallel_engine_raise_on_every_rank(out_root):
+    """ddp_backend="gloo" without use_cpu on CPU: accelerate counts both ranks but wraps no DDP (measured:
+    DistributedType.NO), so each SP rank would step on its own shard's gradients."""
+    for rank_results in _world(2, out_root):
+        message = rank_results["errors"]["no_engine"]
+        assert message is not None and "runs no data-parallel engine" in message, message
+
+
 def test_sp_size_not_dividing_world_raises_on_every_rank(out_root):
     for rank_results in _world(2, out_root):
         message = rank_results["errors"]["sp3"]
@@ -274,3 +293,61 @@ def test_dp2_sp2_matches_plain_ddp(out_root, record_property):
     assert world2[0]["ddp"]["rows"][:3] != world2[1]["ddp"]["rows"][:3]
     assert [h["step"] for h in world2[0]["ddp"]["logs"]] == [1, 2, 3]
     record_property("max_rel_diff", worst)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING))
+def test_every_train_sampling_strategy_sp2_matches_single_process(name, out_root, record_property):
+    """Each `train_sampling_strategy` transformers offers, at SP=2 (DP=1), reads the micro-batches of the run
+    without SP and matches it step by step; batch_rebalance, built by the Trainer for every process as a DP
+    rank, gave the two SP ranks different samples ("Sequence-parallel ranks hold different batches")."""
+    from transformers import TrainingArguments
+
+    offered = TrainingArguments.__dataclass_fields__["train_sampling_strategy"].metadata["choices"]
+    assert sorted(offered) == sorted(SAMPLING.values())  # a new strategy needs a config here
+    worst = _assert_train_matches(name, out_root)
+    sp, ref = _sp_and_ref(name, out_root)
+    for result in sp:
+        assert result["rows"][: len(ref["rows"])] == ref["rows"]
+    record_property("max_rel_diff", worst)
+
+
+@pytest.mark.slow
+def test_batch_rebalance_dp2_sp2_matches_plain_ddp(out_root, record_property):
+    """DP=2 x SP=2: the two SP groups rebalance the step's samples as two DDP ranks without SP do."""
+    world4, world2 = _world(4, out_root), _world(2, out_root)
+    worst: dict[str, float] = {}
+    for rank, rank_results in enumerate(world4):
+        result, ref = rank_results["dpsp_rebalance"], world2[rank // 2]["ddp_rebalance"]
+        for key, value in U.compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), RTOL).items():
+            worst[key] = max(worst.get(key, 0.0), value)
+        assert result["rows"][:3] == ref["rows"][:3], rank
+    assert world2[0]["ddp_rebalance"]["rows"][:3] != world2[1]["ddp_rebalance"]["rows"][:3]
+    record_property("max_rel_diff", worst)
+
+
+def test_first_step_logs_what_runs_on_rank_0(out_root):
+    """One line, at the first step, on rank 0 only: DP x SP, engine, backend, kernel, tokens per rank, flags."""
+    sp, ref = _sp_and_ref("sgd", out_root)
+    assert ref["sp_lines"] == []  # no SP, no line
+    assert sp[1]["sp_lines"] == []
+    (line,) = sp[0]["sp_lines"]
+    full = sp[0]["lengths"][0]
+    prefix = "hf_longctx: sequence parallelism on 2 ranks (1 node x 2): DP 1 x SP 2, engine DDP, backend ulysses"
+    assert line.startswith(prefix), line
+    assert f"attention kernel sdpa, {math.ceil(full / 2)} of {full} tokens per rank" in line
+    assert line.endswith("memory flags: none")
+    (line,) = _world(4, out_root)[0]["dpsp"]["sp_lines"]
+    assert "on 4 ranks (1 node x 4): DP 2 x SP 2" in line
+
+
+def test_sp_asked_but_not_applied_is_an_error(out_root):
+    """A run that asks for SP and would train without it stops: a wrapper module trained (its transformers model
+    never switched: each rank would attend over its own shard) at the first step, on every rank; arguments the
+    accelerator never saw (an Accelerator made earlier, use_configured_state) when the Trainer is built."""
+    for rank_results in _world(2, out_root):
+        message = rank_results["errors"]["wrapper"]
+        assert message is not None and message.startswith("train: "), message
+        assert "does not run on ranks [0, 1]" in message and "(Wrapper) carries no hf_longctx SP attention" in message
+        message = rank_results["errors"]["configured_state"]
+        assert message is not None and message.startswith("init: "), message
+        assert "sp_size=2" in message and "use_configured_state" in message

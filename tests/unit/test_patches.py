@@ -8,12 +8,13 @@ from hf_longctx._patching import PATCH_MARKER, Patch
 from hf_longctx.integrations import trainer as sp_trainer
 
 # Every attribute hf_longctx may replace outside its own objects. A new target must be added here on purpose.
-ALLOWED = {"get_sp_size", "get_total_train_batch_size", "_validate_args", "prediction_step"}
+ALLOWED = {"get_sp_size", "get_total_train_batch_size", "_validate_args", "training_step", "prediction_step"}
 
 
 def test_patch_targets_are_allow_listed_idempotent_and_reversible():
     from trl import SFTTrainer  # noqa: F401  (a loaded subclass that overrides prediction_step)
 
+    sp_trainer.remove_trainer_patches()  # constructing an SP config installs them (config.py)
     originals = {name: Trainer.__dict__[name] for name in ALLOWED}
     try:
         first = sp_trainer.install_trainer_patches()
@@ -52,12 +53,14 @@ def test_gated_patches_leave_plain_trainers_alone(tmp_path):
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2)
     trainer = Trainer(model=tiny_model("llama"), args=args)
+    trainer.current_gradient_accumulation_steps = 1  # what train() sets before its first training_step
     ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "labels": ids.clone()}
     expected = {
         "get_sp_size": Trainer.get_sp_size(trainer),
         "get_total_train_batch_size": Trainer.get_total_train_batch_size(trainer, args),
         "_validate_args": Trainer._validate_args(trainer),
+        "training_step": Trainer.training_step(trainer, trainer.model, dict(inputs)),
         "prediction_step": Trainer.prediction_step(trainer, trainer.model, dict(inputs), False),
     }
     try:
@@ -68,6 +71,7 @@ def test_gated_patches_leave_plain_trainers_alone(tmp_path):
             "get_sp_size": trainer.get_sp_size(),
             "get_total_train_batch_size": trainer.get_total_train_batch_size(args),
             "_validate_args": trainer._validate_args(),
+            "training_step": trainer.training_step(trainer.model, dict(inputs)),
             "prediction_step": trainer.prediction_step(trainer.model, dict(inputs), False),
         }
         for name in expected:
@@ -76,6 +80,7 @@ def test_gated_patches_leave_plain_trainers_alone(tmp_path):
         sp_trainer.remove_trainer_patches()
     assert got["get_sp_size"] == expected["get_sp_size"] == 1
     assert got["get_total_train_batch_size"] == expected["get_total_train_batch_size"] == 2
+    assert torch.equal(got["training_step"], expected["training_step"])
     for value, want in zip(got["prediction_step"], expected["prediction_step"], strict=True):
         assert torch.equal(value, want)
 

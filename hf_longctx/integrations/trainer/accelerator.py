@@ -39,7 +39,8 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
 
     Raises:
         ValueError: the process group and accelerate disagree on the world size (the CPU
-            `use_cpu` trap) or `sp_size` does not divide the world.
+            `use_cpu` trap), accelerate runs no data-parallel engine over several ranks, or `sp_size` does not
+            divide the world.
     """
     launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _env_world_size()
     if launched != accelerator.num_processes:
@@ -48,6 +49,15 @@ def attach(config: Any, accelerator: Any) -> SequenceParallelState | None:
             "would be duplicated and gradients never averaged. On CPU pass use_cpu=True to TrainingArguments/"
             "SFTConfig; with DeepSpeed on CPU create `PartialState(backend='gloo')` first and pass "
             "accelerator_config={'use_configured_state': True}."
+        )
+    from accelerate.utils import DistributedType
+
+    if launched > 1 and accelerator.distributed_type == DistributedType.NO:
+        # Seen with ddp_backend="gloo" and use_cpu=False on CPU: accelerate counts the ranks but wraps no DDP.
+        raise ValueError(
+            f"The job has {launched} ranks but accelerate runs no data-parallel engine (DistributedType.NO), so "
+            "gradients would never be averaged across them. On CPU pass use_cpu=True to TrainingArguments/SFTConfig "
+            "(gloo); on GPUs leave ddp_backend unset (NCCL)."
         )
     validate_sp_size(config.sp_size, accelerator.num_processes)
     from hf_longctx.integrations.trainer.resume import install_resume_patch

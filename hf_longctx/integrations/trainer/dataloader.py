@@ -4,7 +4,8 @@ The SP ranks of a group must read the same samples in the same order (they split
 accelerate's `prepare_data_loader` is called with the DP world instead of the full world, and the
 collate function is wrapped to keep this rank's slice (`data.collator.SequenceShardingCollator`).
 Sharding inside the collate function keeps every loader feature that rebuilds loaders from their
-`collate_fn` (`skip_first_batches` on resume, workers, stateful loaders).
+`collate_fn` (`skip_first_batches` on resume, workers, stateful loaders). A batch sampler that is
+already rank-aware (transformers' `BatchRebalanceSampler`) is made to count DP ranks only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from hf_longctx import _compat
 from hf_longctx.data.collator import SequenceShardingCollator
 from hf_longctx.data.validation import check_loader_not_empty
 from hf_longctx.integrations.trainer.state import SequenceParallelState
@@ -57,12 +59,16 @@ def prepare_data_loader(
             "batch itself; set accelerator_config={'dispatch_batches': False}."
         )
     check_loader_not_empty(data_loader)
+    groups = state.groups
+    # train_sampling_strategy="batch_rebalance": the Trainer built it for world-many DP ranks (SP ranks would read
+    # different samples) and disarms accelerate's sharding of it after this call, finding it by identity.
+    batch_sampler = getattr(data_loader, "batch_sampler", None)
+    _compat.rebalance_for_data_parallel(batch_sampler, groups.dp_world_size, groups.dp_rank)
     _shard_collate(data_loader, state)
     if device_placement is None:
         device_placement = (
             accelerator.device_placement if accelerator.distributed_type != DistributedType.XLA else False
         )
-    groups = state.groups
     prepared = accelerate_prepare(
         data_loader,
         accelerator.device,

@@ -1,11 +1,13 @@
 """The class-level Trainer patches, gated on an attached accelerator, and the Trainer settings SP needs.
 
-Four `Trainer` methods have no registry or hook to plug into, so they are replaced through
+Five `Trainer` methods have no registry or hook to plug into, so they are replaced through
 `patching.Patch` (reversible, idempotent): `get_sp_size` and `get_total_train_batch_size` (step and
 token arithmetic: SP ranks share samples), `_validate_args` (TRL trainers without an exact SP path
-refused at construction, `integrations/trl/support.py`) and `prediction_step` (evaluation outputs
-merged over the SP group, once per call however deep a subclass's `super()` chain is). Each acts only when the
-trainer's accelerator carries hf_longctx SP; otherwise it calls the original.
+refused at construction, `integrations/trl/support.py`; arguments asking for SP that the accelerator did not
+take, `first_step.py`), `training_step` (the first step's checks that SP runs, and the line saying how) and
+`prediction_step` (evaluation outputs merged over the SP group, once per call however deep a subclass's
+`super()` chain is). Each acts only when the trainer's accelerator carries hf_longctx SP (`_validate_args`
+also when its arguments ask for it); otherwise it calls the original.
 
 `prepare_trainer` runs at the start of `train()` and of every evaluation: it refuses settings that
 would silently give wrong numbers, swaps Trainer's label smoother for one that takes the labels
@@ -24,6 +26,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 from hf_longctx._patching import Patch
 from hf_longctx.distributed.failures import apply_timeout
 from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_num_items, replicated_prediction
+from hf_longctx.integrations.trainer.first_step import check_config_applied, verify_first_step
 from hf_longctx.integrations.trainer.neftune import use_sp_neftune
 from hf_longctx.integrations.trainer.resume import remove_resume_patch, track_layout
 from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
@@ -146,6 +149,7 @@ def _validate_args(original):
         # Runs inside Trainer.__init__, once the accelerator exists: a TRL trainer without an exact SP
         # path fails here, by name, before any step (hf_longctx.integrations.trl.support).
         original(self)
+        check_config_applied(self)  # arguments asking for SP that the accelerator did not take
         state = sp_state(self)
         if state is not None:
             from hf_longctx.integrations.trl.support import check_trainer
@@ -153,6 +157,18 @@ def _validate_args(original):
             check_trainer(self, state)
 
     return validate_args
+
+
+def _training_step(original):
+    def training_step(self, model, inputs, *args, **kwargs):
+        state = sp_state(self)
+        if state is not None and not state.verified:
+            # Once per attached accelerator, before the first forward: SP cannot be silently off.
+            verify_first_step(self, state, model, inputs)
+            state.verified = True
+        return original(self, model, inputs, *args, **kwargs)
+
+    return training_step
 
 
 def _prediction_step(original):
@@ -193,6 +209,7 @@ def install_trainer_patches() -> list[Patch]:
         (Trainer, "get_sp_size", _get_sp_size),
         (Trainer, "get_total_train_batch_size", _get_total_train_batch_size),
         (Trainer, "_validate_args", _validate_args),
+        (Trainer, "training_step", _training_step),
     ]
     wanted += [
         (owner, "prediction_step", _prediction_step)

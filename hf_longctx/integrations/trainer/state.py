@@ -33,6 +33,7 @@ class SequenceParallelState:
     # Set by a TRL trainer's SP path (RewardTrainer, GRPOTrainer) whose loss and outputs are computed from whole
     # sequences on every SP rank: evaluation takes them as they are (`evaluation.replicated_prediction`).
     replicated_outputs: bool = False
+    verified: bool = False  # the first training step's checks passed (`first_step.verify_first_step`)
 
     def enable(self, model: Any) -> None:
         """Switch `model` (unwrapped transformers model) to SP attention once."""
