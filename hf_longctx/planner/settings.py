@@ -16,7 +16,7 @@ from typing import Any
 
 from hf_longctx.planner.run import RunConfig
 
-SCRIPT = "train.py"  # the user's training script in the printed launch line
+SCRIPT = "your_training_script.py"  # the user's script in the printed launch line (recipes/sft.py for the recipes)
 
 
 @dataclass(frozen=True)
