@@ -30,10 +30,16 @@ import torch
 
 from hf_longctx.data.layout import layout_indices, to_global_order
 from hf_longctx.distributed.comm import all_gather_sequence
+from hf_longctx.multimodal.vision_shard import shard_vision_tower
 
 _VISION_TOWERS = ("visual", "vision_tower", "vision_model")
 _FULL_ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 _ROPE_FROM_IDS = ("compute_3d_position_ids", "get_rope_index")
+# Families whose decoder needs more than the full-row merge and causal shards.
+_REFUSED = {
+    "gemma3": "its decoder attends bidirectionally within each image (token_type_ids), which the SP attention "
+    "(causal, from global positions) does not reproduce.",
+}
 
 
 def multimodal_model(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -54,6 +60,9 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
     inner = multimodal_model(model)
     if inner is None:
         return []
+    refused = _REFUSED.get(getattr(getattr(inner, "config", None), "model_type", ""))
+    if refused and handle.groups.sp_enabled:
+        raise ValueError(f"{type(inner).__name__} under sequence parallelism is not supported: {refused}")
     groups, layout = handle.groups, handle.backend.layout
     rope_from_ids = any(hasattr(inner, name) for name in _ROPE_FROM_IDS)
 
@@ -106,7 +115,8 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         inner.register_forward_pre_hook(full_row, with_kwargs=True),
         inner.language_model.register_forward_pre_hook(shard, with_kwargs=True),
     ]
-    return [h.remove for h in hooks]
+    tower = next(inner._modules[t] for t in _VISION_TOWERS if t in inner._modules)
+    return [h.remove for h in hooks] + shard_vision_tower(tower, groups)
 
 
 def _visual_rows(full_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
