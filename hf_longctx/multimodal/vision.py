@@ -10,14 +10,17 @@ row). So, per forward:
    `input_ids`, `attention_mask` and `mm_token_type_ids` over the SP group (small integer tensors) and
    hands the model the full row; `position_ids` are dropped where the model computes its own
    (mRoPE), and are the full row's otherwise;
-2. the vision tower therefore runs on every SP rank, on all images of the row (unsharded: at long
-   context it is small next to the decoder), and the features are merged on the full sequence;
+2. the vision tower runs sharded over the SP group (`vision_shard.py`): each image or video frame is
+   encoded on one rank, balanced by patches, and the features are all-gathered; they are merged on the
+   full sequence as without SP;
 3. a pre-hook on the decoder (`language_model`) slices `inputs_embeds`, `position_ids`,
    `attention_mask` and Qwen3-VL's DeepStack `visual_pos_masks` / `deepstack_visual_embeds` back to
    this rank's shard, in the data's token layout; the decoder, the head and the loss run sharded.
 
-Gradients reach the vision tower through the slicing (each rank: the part from its own tokens) and
-are summed over the SP group like those of every other replicated parameter (the embeddings).
+Gradients reach the features through the slicing (each rank: the part from its own tokens); the gather's
+backward sums them over the SP group and hands each rank its own images' rows, so the tower's parameter
+gradients, summed over the SP group like every replicated parameter's (the embeddings), count each image
+once. Gemma 3 is refused under SP (bidirectional attention within images in its decoder).
 Packed rows are refused for mRoPE models: their positions are computed per row, not per document.
 """
 
@@ -59,6 +62,13 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
     """
     inner = multimodal_model(model)
     if inner is None:
+        other = next((m for m in model.modules() if any(t in m._modules for t in _VISION_TOWERS)), None)
+        if other is not None and handle.groups.sp_enabled:
+            raise ValueError(
+                f"{type(other).__name__} has a vision tower but no `language_model` decoder: hf_longctx places image "
+                "features on the full row only for models built as <tower> + language_model (Qwen-VL, LLaVA, "
+                "InternVL); its image tokens would be split from their features under SP."
+            )
         return []
     refused = _REFUSED.get(getattr(getattr(inner, "config", None), "model_type", ""))
     if refused and handle.groups.sp_enabled:

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 _PIXEL_KEYS = ("pixel_values", "hidden_states")  # Qwen2.5-VL names the tower's pixel input hidden_states
 _GRID_KEY = "grid_thw"
+# Inputs a Qwen-VL tower takes precomputed for the whole call (transformers' `vision_utils`): such a call runs whole.
+_PRECOMPUTED = ("cu_seqlens", "max_seqlen", "position_ids", "window_index", "cu_window_seqlens", "max_window_seqlen",
+                "interp_indices", "interp_weights", "bilinear_indices", "bilinear_weights", "merged_shape")  # fmt: skip
 
 
 def plan_items(costs: list[int], sp_world_size: int) -> list[tuple[int, int]]:
@@ -68,8 +71,10 @@ def split_tower_call(args: tuple, kwargs: dict[str, Any]) -> TowerCall | None:
 
     Qwen-VL layout (a `grid_thw` input): the items are frames, `(t, h, w)` giving t frames of h * w patch
     rows each (the tower attends within a frame and merges patches within it, so a run of frames encodes
-    as in the whole call). Batch layout: the items are dim 0 of the pixel tensor, cost 1 each; other tensor
-    inputs with the same dim 0 (patch masks) are cut with it.
+    as in the whole call); a call with precomputed whole-call inputs (`cu_seqlens`, ...) is not cut. Batch
+    layout: the items are dim 0 of the pixel tensor, cost 1 each; other tensor inputs with the same dim 0
+    (patch masks) are cut with it. Other keyword inputs (what the model's forward passes on through
+    `**kwargs`: the Trainer's `num_items_in_batch`, SP's `shift_labels`) pass unchanged.
     """
     pixel_key = next((k for k in _PIXEL_KEYS if isinstance(kwargs.get(k), torch.Tensor)), None)
     if args and isinstance(args[0], torch.Tensor):
@@ -78,7 +83,7 @@ def split_tower_call(args: tuple, kwargs: dict[str, Any]) -> TowerCall | None:
         pixels, rest_args = kwargs[pixel_key], args
     else:
         return None
-    if any(isinstance(a, torch.Tensor) for a in rest_args):
+    if any(_per_item(a) for a in rest_args):
         return None
     others = {k: v for k, v in kwargs.items() if k != pixel_key}
     grid = others.pop(_GRID_KEY, None)
@@ -90,7 +95,7 @@ def split_tower_call(args: tuple, kwargs: dict[str, Any]) -> TowerCall | None:
 def _grid_call(
     pixels: torch.Tensor, grid: torch.Tensor, args: tuple, others: dict[str, Any], pixel_key: str | None
 ) -> TowerCall | None:
-    if any(isinstance(v, torch.Tensor) for v in others.values()):
+    if any(key in others for key in _PRECOMPUTED):
         return None
     frames = grid.repeat_interleave(grid[:, 0], dim=0).clone()  # one (1, h, w) row per frame
     frames[:, 0] = 1
@@ -113,16 +118,20 @@ def _grid_call(
 
 def _batch_call(pixels: torch.Tensor, args: tuple, others: dict[str, Any], pixel_key: str | None) -> TowerCall | None:
     n = pixels.shape[0]
-    if any(isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != n) for v in others.values()):
-        return None
+    cut = {k for k, v in others.items() if _per_item(v) and v.shape[0] == n}
 
     def select(start: int, stop: int) -> tuple[tuple, dict[str, Any]]:
-        kwargs = {k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in others.items()}
+        kwargs = {k: v[start:stop] if k in cut else v for k, v in others.items()}
         if pixel_key is None:
             return (pixels[start:stop], *args), kwargs
         return args, {**kwargs, pixel_key: pixels[start:stop]}
 
     return TowerCall([1] * n, select)
+
+
+def _per_item(value: Any) -> bool:
+    """A tensor that may hold one entry per item (not a scalar such as the Trainer's `num_items_in_batch`)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def _leaves(output: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
@@ -167,12 +176,15 @@ def shard_vision_tower(tower: torch.nn.Module, groups: Any) -> list[Callable[[],
     if not groups.sp_enabled:
         return []
     pending: dict[str, Any] = {}
+    logged: list[bool] = []
 
     def before(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         pending.clear()
         call = split_tower_call(args, kwargs)
         if call is None:
-            logger.info("hf_longctx: %s called with inputs it cannot split; it runs whole.", type(module).__name__)
+            if not logged:  # once per tower
+                logger.info("hf_longctx: %s called with inputs it cannot split; it runs whole.", type(module).__name__)
+                logged.append(True)
             return None
         if not call.costs:
             return None

@@ -85,27 +85,39 @@ def test_sharded_tower_under_fsdp2(arch):
     assert rows == [S.tower_calls(S.cases(arch)["one_image"])[0][0]]  # the image, or the stand-in
 
 
-def gemma3_worker(rank: int, world_size: int) -> str:
+def refusal_worker(rank: int, world_size: int) -> list[str]:
+    """Gemma 3 and Idefics3 under SP: refused, naming why, and nothing left installed."""
     import transformers
 
     import hf_longctx
 
-    text = {"vocab_size": 160, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    text = {"vocab_size": 160, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "image_size": 8, "patch_size": 2}  # fmt: skip
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-    model = transformers.Gemma3ForConditionalGeneration._from_config(config, attn_implementation="sdpa")
-    with pytest.raises(ValueError, match="bidirectionally") as err:
-        hf_longctx.enable_sequence_parallel(model, hf_longctx.SequenceParallelGroups.build(world_size))
-    assert model.config.get_text_config()._attn_implementation == "sdpa"  # rolled back
-    return str(err.value)
+    models = {
+        "bidirectionally": transformers.Gemma3ForConditionalGeneration._from_config(
+            transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4),
+            attn_implementation="sdpa"),
+        "no `language_model` decoder": transformers.Idefics3ForConditionalGeneration._from_config(
+            transformers.Idefics3Config(text_config=transformers.LlamaConfig(**text), image_token_id=150,
+                                        vision_config=transformers.Idefics3VisionConfig(**vision), scale_factor=2),
+            attn_implementation="sdpa"),
+    }  # fmt: skip
+    groups, messages = hf_longctx.SequenceParallelGroups.build(world_size), []
+    for why, model in models.items():
+        with pytest.raises(ValueError, match=why) as err:
+            hf_longctx.enable_sequence_parallel(model, groups)
+        assert model.config.get_text_config()._attn_implementation == "sdpa"  # rolled back
+        messages.append(str(err.value))
+    return messages
 
 
-def test_gemma3_refused_by_name():
-    """Gemma 3's decoder attends bidirectionally within an image: refused under SP, naming why."""
-    messages = run_distributed(gemma3_worker, 2, timeout=120)
-    assert all("Gemma3Model" in m for m in messages), messages
+def test_unsupported_families_refused_by_name():
+    """Gemma 3's decoder attends bidirectionally within an image; Idefics3 / SmolVLM have no `language_model`:
+    both refused under SP, naming the class and why."""
+    for gemma, idefics in run_distributed(refusal_worker, 2, timeout=120):
+        assert "Gemma3Model" in gemma and "Idefics3Model" in idefics, (gemma, idefics)
 
 
 def test_single_process_tower_unchanged():

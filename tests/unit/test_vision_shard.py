@@ -38,10 +38,10 @@ def test_grid_call_is_cut_into_frames():
     # An image (1, 2, 6) then a video (3, 2, 2), one patch row per grid cell.
     pixels = torch.cat([torch.arange(12.0), 100 + torch.arange(12.0)])[:, None]
     grid = torch.tensor([[1, 2, 6], [3, 2, 2]])
-    call = split_tower_call((pixels,), {"grid_thw": grid, "flag": True})
+    call = split_tower_call((pixels,), {"grid_thw": grid, "flag": True, "num_items_in_batch": torch.tensor(7)})
     assert call is not None and call.costs == [12, 4, 4, 4]
     args, kwargs = call.select(1, 3)
-    assert torch.equal(args[0], pixels[12:20]) and kwargs["flag"] is True
+    assert torch.equal(args[0], pixels[12:20]) and kwargs["flag"] is True and kwargs["num_items_in_batch"] == 7
     assert kwargs["grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
     _, kwargs = split_tower_call((), {"hidden_states": pixels, "grid_thw": grid}).select(0, 1)
     assert torch.equal(kwargs["hidden_states"], pixels[:12]) and kwargs["grid_thw"].tolist() == [[1, 2, 6]]
@@ -49,15 +49,29 @@ def test_grid_call_is_cut_into_frames():
 
 def test_batch_call_cuts_inputs_with_the_images():
     pixels, mask = torch.randn(3, 3, 8, 8), torch.ones(3, 4, 4, dtype=torch.bool)
-    call = split_tower_call((), {"pixel_values": pixels, "patch_attention_mask": mask, "return_dict": True})
+    scalar = torch.tensor(5)  # the Trainer's num_items_in_batch reaches the tower through **kwargs
+    call = split_tower_call((), {"pixel_values": pixels, "patch_attention_mask": mask, "n": scalar})
     assert call.costs == [1, 1, 1]
     _, kwargs = call.select(1, 3)
     assert torch.equal(kwargs["pixel_values"], pixels[1:]) and kwargs["patch_attention_mask"].shape[0] == 2
+    assert kwargs["n"] is scalar
+
+
+def test_other_keyword_inputs_pass_unchanged():
+    """What the model's forward hands on through **kwargs (SP's shift_labels) is not the tower's to cut."""
+    pixels, labels = torch.randn(2, 3, 8, 8), torch.ones(2, 17)
+    _, kwargs = split_tower_call((pixels,), {"shift_labels": torch.ones(3, 17)}).select(0, 1)
+    assert kwargs["shift_labels"].shape == (3, 17)
+    _, kwargs = split_tower_call((torch.randn(8, 4),), {"grid_thw": torch.tensor([[2, 2, 2]]), "s": labels}).select(
+        0, 1
+    )
+    assert kwargs["s"] is labels and kwargs["grid_thw"].tolist() == [[1, 2, 2]]
 
 
 def test_calls_it_cannot_cut_are_left_whole():
     pixels = torch.randn(3, 3, 8, 8)
-    assert split_tower_call((), {"pixel_values": pixels, "sizes": torch.ones(2)}) is None  # another dim 0
+    grid = torch.tensor([[1, 2, 2]])
+    assert split_tower_call((torch.randn(4, 4),), {"grid_thw": grid, "cu_seqlens": torch.tensor([0, 4])}) is None
     assert split_tower_call((pixels, torch.ones(3)), {}) is None  # a positional tensor
     assert split_tower_call((), {"grid_thw": torch.tensor([[1, 2, 2]])}) is None  # no pixels
     assert split_tower_call((torch.randn(5, 4),), {"grid_thw": torch.tensor([[1, 2, 2]])}) is None  # rows != grid
