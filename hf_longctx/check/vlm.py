@@ -11,8 +11,9 @@ Two image layouts are supported:
   images are 4 x 4 pixels of 2 x 2 patches (4 tokens).
 
 Other VLMs are refused by name: the check does not build their batches. The vision tower of the test copy
-is shrunk to 2 blocks of width 32 (2 heads): it runs whole on every SP rank, so its width does not change
-what SP does.
+is shrunk to 2 blocks of width 32 (2 heads). Under SP it runs sharded (each image encoded on one rank,
+`hf_longctx/multimodal/vision_shard.py`); `record_tower_rows` counts what each rank's tower received, which
+the report prints.
 """
 
 from __future__ import annotations
@@ -203,3 +204,19 @@ def _pixels(vision: Any, llava: bool, images: int, gen: torch.Generator) -> dict
 def reference_output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     """The plain model on the unpadded rows: it places the images and computes its own mRoPE positions."""
     return model(**{k: v for k, v in batch.items() if k != "labels"})
+
+
+def record_tower_rows(model: torch.nn.Module) -> tuple[list[int], Any]:
+    """The pixel rows (patches, or images for LLaVA) each call of the model's vision tower receives, after SP's
+    split (register it after enabling SP); returns the list it fills and the hook's handle."""
+    from hf_longctx.multimodal.vision import multimodal_model
+
+    inner = multimodal_model(model)
+    tower = inner.visual if hasattr(inner, "visual") else inner.vision_tower
+    rows: list[int] = []
+
+    def record(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        pixels = args[0] if args else next(kwargs[k] for k in ("pixel_values", "hidden_states") if k in kwargs)
+        rows.append(int(pixels.shape[0]))
+
+    return rows, tower.register_forward_pre_hook(record, with_kwargs=True)
