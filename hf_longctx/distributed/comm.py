@@ -199,6 +199,9 @@ class _GatherRows(torch.autograd.Function):
         outs = []
         for i, x in enumerate(xs):
             rows = counts[:, i + 1].tolist()
+            if min(rows) == max(rows):  # balanced: no padding, and the gathered blocks are the result
+                outs.append(all_gather_stacked(x.detach(), group).flatten(0, 1))
+                continue
             padded = torch.zeros((max(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
             padded[: x.shape[0]] = x.detach()
             blocks = all_gather_stacked(padded, group)  # [ws, max rows, ...]
@@ -210,9 +213,12 @@ class _GatherRows(torch.autograd.Function):
         out = []
         for i, grad in enumerate(grads):
             rows = ctx.counts[:, i].tolist()
-            padded = grad.new_zeros((len(rows), max(rows), *grad.shape[1:]))  # [ws, max rows, ...]
-            for r, block in enumerate(grad.split(rows)):
-                padded[r, : rows[r]] = block
+            if min(rows) == max(rows):
+                padded = grad.reshape(len(rows), rows[0], *grad.shape[1:])  # [ws, rows, ...]
+            else:
+                padded = grad.new_zeros((len(rows), max(rows), *grad.shape[1:]))  # [ws, max rows, ...]
+                for r, block in enumerate(grad.split(rows)):
+                    padded[r, : rows[r]] = block
             out.append(_reduce_scatter_stacked(padded, ctx.group, ctx.stats)[: rows[ctx.rank]])
         return None, None, *out
 
