@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 _PIXEL_KEYS = ("pixel_values", "hidden_states")  # Qwen2.5-VL names the tower's pixel input hidden_states
 _GRID_KEY = "grid_thw"
 # Inputs a Qwen-VL tower takes precomputed for the whole call (transformers' `vision_utils`): such a call runs whole.
+# Inputs of batch-layout towers with one entry per image, cut with the images; any other passes unchanged.
+_PER_IMAGE = ("patch_attention_mask", "pixel_attention_mask", "image_sizes")
 _PRECOMPUTED = ("cu_seqlens", "max_seqlen", "position_ids", "window_index", "cu_window_seqlens", "max_window_seqlen",
                 "interp_indices", "interp_weights", "bilinear_indices", "bilinear_weights", "merged_shape")  # fmt: skip
 
@@ -72,8 +74,8 @@ def split_tower_call(args: tuple, kwargs: dict[str, Any]) -> TowerCall | None:
     Qwen-VL layout (a `grid_thw` input): the items are frames, `(t, h, w)` giving t frames of h * w patch
     rows each (the tower attends within a frame and merges patches within it, so a run of frames encodes
     as in the whole call); a call with precomputed whole-call inputs (`cu_seqlens`, ...) is not cut. Batch
-    layout: the items are dim 0 of the pixel tensor, cost 1 each; other tensor inputs with the same dim 0
-    (patch masks) are cut with it. Other keyword inputs (what the model's forward passes on through
+    layout: the items are dim 0 of the pixel tensor, cost 1 each; per-image inputs (`_PER_IMAGE`: patch masks,
+    image sizes) are cut with it. Other keyword inputs (what the model's forward passes on through
     `**kwargs`: the Trainer's `num_items_in_batch`, SP's `shift_labels`) pass unchanged.
     """
     pixel_key = next((k for k in _PIXEL_KEYS if isinstance(kwargs.get(k), torch.Tensor)), None)
@@ -118,7 +120,7 @@ def _grid_call(
 
 def _batch_call(pixels: torch.Tensor, args: tuple, others: dict[str, Any], pixel_key: str | None) -> TowerCall | None:
     n = pixels.shape[0]
-    cut = {k for k, v in others.items() if _per_item(v) and v.shape[0] == n}
+    cut = {k for k in _PER_IMAGE if _per_item(others.get(k)) and others[k].shape[0] == n}
 
     def select(start: int, stop: int) -> tuple[tuple, dict[str, Any]]:
         kwargs = {k: v[start:stop] if k in cut else v for k, v in others.items()}

@@ -132,3 +132,26 @@ def test_single_process_tower_unchanged():
         with torch.no_grad():
             model(**{k: v for k, v in batch.items() if k != "labels"})
     assert sorted(rows) == sorted([16, 96])
+
+
+@pytest.mark.slow
+def test_sharded_tower_under_zero3_trainer(tmp_path):
+    """The stock Trainer with DeepSpeed ZeRO-3 at SP=2: per-step loss and grad_norm equal the run without SP
+    and without DeepSpeed (3 SGD steps), and each rank's tower encoded part of every batch's patches."""
+    pytest.importorskip("deepspeed", reason="deepspeed is a dev dependency (pip install -e '.[dev]')")
+    from tests.dist import _vlm as V
+    from tests.dist._trainer_utils import compare_logs
+
+    ref = run_distributed(V.trainer_worker, 1, str(tmp_path / "ref"), "qwen2_5_vl", {}, timeout=300)[0]
+    runs = run_distributed(S.zero3_worker, 2, str(tmp_path / "sp"), "qwen2_5_vl", timeout=400)
+    for result in runs:
+        compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5)
+    assert len(runs[0]["logs"]) == 3
+    per_call = list(zip(*(r["tower_rows"] for r in runs), strict=True))  # per call, each rank's rows
+    calls = runs[0]["calls"]
+    assert len(per_call) == len(calls) and sum(rows for rows, _ in calls) == ref["tower_rows"], (per_call, calls)
+    assert any(images == 1 for _, images in calls), calls  # a batch with one image: a rank encoded a stand-in
+    for ranks, (rows, images) in zip(per_call, calls, strict=True):
+        assert min(ranks) > 0 and sum(ranks) >= rows, (ranks, rows)
+        if images >= 2:
+            assert max(ranks) < rows, (ranks, rows)
