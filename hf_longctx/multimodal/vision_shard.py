@@ -10,7 +10,9 @@ replicated parameters' gradients (as for the embeddings) counts it once.
 
 A rank with no item of its own encodes the first item and discards it (zero rows gathered, zero gradient):
 every rank runs the tower forward and backward, so FSDP2 / ZeRO-3 parameter gathers and the feature gather
-stay matched. A call the hooks cannot split (other tensor inputs) runs whole on every rank, as before.
+stay matched. A call the hooks cannot split (no pixel tensor, another positional tensor, a Qwen-VL call with
+precomputed whole-call inputs) runs whole on every rank, as before. Every SP rank must call the tower
+together, as the model's forward does.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ logger = logging.getLogger(__name__)
 
 _PIXEL_KEYS = ("pixel_values", "hidden_states")  # Qwen2.5-VL names the tower's pixel input hidden_states
 _GRID_KEY = "grid_thw"
-# Inputs a Qwen-VL tower takes precomputed for the whole call (transformers' `vision_utils`): such a call runs whole.
 # Inputs of batch-layout towers with one entry per image, cut with the images; any other passes unchanged.
 _PER_IMAGE = ("patch_attention_mask", "pixel_attention_mask", "image_sizes")
+# Inputs a Qwen-VL tower takes precomputed for the whole call (transformers' `vision_utils`): such a call runs whole.
 _PRECOMPUTED = ("cu_seqlens", "max_seqlen", "position_ids", "window_index", "cu_window_seqlens", "max_window_seqlen",
                 "interp_indices", "interp_weights", "bilinear_indices", "bilinear_weights", "merged_shape")  # fmt: skip
 
@@ -118,7 +120,7 @@ def _grid_call(
     return TowerCall(costs, select)
 
 
-def _batch_call(pixels: torch.Tensor, args: tuple, others: dict[str, Any], pixel_key: str | None) -> TowerCall | None:
+def _batch_call(pixels: torch.Tensor, args: tuple, others: dict[str, Any], pixel_key: str | None) -> TowerCall:
     n = pixels.shape[0]
     cut = {k for k in _PER_IMAGE if _per_item(others.get(k)) and others[k].shape[0] == n}
 
@@ -137,8 +139,9 @@ def _per_item(value: Any) -> bool:
 
 
 def _leaves(output: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
-    """The tensors of a tower output (a tensor, a ModelOutput, nested tuples/lists) and how to rebuild it."""
-    if isinstance(output, torch.Tensor):
+    """The tensors of a tower output (a tensor, a ModelOutput, nested tuples/lists) and how to rebuild it;
+    scalars are left as they are (they have no rows to gather)."""
+    if _per_item(output):
         return [output], lambda xs: xs[0]
     if isinstance(output, dict):  # ModelOutput: set fields in place, keep its class
         keys = [k for k in output if output[k] is not None]
