@@ -187,6 +187,12 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] | None = None) -> 
         except ValueError as exc:
             out(f"FAIL: {exc}")
             return EXIT_FAIL
+        if any(result.get("tower_rows", [])):
+            out(
+                f"  vision tower sharded over the SP group: pixel rows per tower call on each rank "
+                f"{result['tower_rows']} (the batch has {batch['pixel_values'].shape[0]}; a rank without an image "
+                "encodes a stand-in)"
+            )
         out(f"  loss   SP={sp} {cmp.loss_sp:.9f}   SP=1 {cmp.loss_ref:.9f}   rel diff {cmp.loss_rel:.2e}")
         out(f"  grads  worst of {len(cmp.grad_errors)} parameters, max|g_sp - g_ref| / max|g_ref|:")
         for name, err in cmp.grad_errors[:TOP_K]:

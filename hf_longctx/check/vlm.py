@@ -13,7 +13,8 @@ Two image layouts are supported:
 With `--packed` (Qwen layout) each row holds three documents, no image across their boundaries, and the
 reference runs every document alone with its images (`reference_outputs`). Other VLMs are refused by name: the
 check does not build their batches. The vision tower of the test copy is shrunk to 2 blocks of width 32
-(2 heads): it runs whole on every SP rank, so its width does not change what SP does.
+(2 heads). Under SP it runs sharded (each image encoded on one rank, `hf_longctx/multimodal/vision_shard.py`);
+`record_tower_rows` counts what each rank's tower received, which the report prints.
 """
 
 from __future__ import annotations
@@ -224,3 +225,19 @@ def reference_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
             used = last
         rows.append(torch.cat(logits, dim=1))
     return torch.cat(rows), outputs
+
+
+def record_tower_rows(model: torch.nn.Module) -> tuple[list[int], Any]:
+    """The pixel rows (patches, or images for LLaVA) each call of the model's vision tower receives, after SP's
+    split (register it after enabling SP); returns the list it fills and the hook's handle."""
+    from hf_longctx.multimodal.vision import multimodal_model
+
+    inner = multimodal_model(model)
+    tower = inner.visual if hasattr(inner, "visual") else inner.vision_tower
+    rows: list[int] = []
+
+    def record(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        pixels = args[0] if args else next(kwargs[k] for k in ("pixel_values", "hidden_states") if k in kwargs)
+        rows.append(int(pixels.shape[0]))
+
+    return rows, tower.register_forward_pre_hook(record, with_kwargs=True)

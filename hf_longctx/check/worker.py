@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hf_longctx.check import vlm
 from hf_longctx.check.model import build_model, check_batch, step, weights_sha256
 
 _GRACE_S = 10.0
@@ -88,11 +89,14 @@ def worker_main(spec_path: str) -> None:
         batch = check_batch(model, spec.seq_len, spec.batch_size, spec.packed, spec.seed)
         options = {"backend": spec.backend, "ulysses_degree": spec.ulysses_degree, "ring_variant": spec.ring_variant}
         with enable_sequence_parallel(model, groups, **options):
+            rows, hook = vlm.record_tower_rows(model) if vlm.is_vision_language(model.config) else ([], None)
             shard = shard_batch(batch, groups)
             if spec.fault == "skip-positions":
                 bs, local = shard["input_ids"].shape
                 shard["position_ids"] = torch.arange(local).expand(bs, local).clone()
             loss, grads = step(model, shard, groups)
+            if hook is not None:
+                hook.remove()
         # What a DP engine does: average the gradients over the ranks.
         flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in grads.values()]), groups.sp_group)
         flat /= groups.sp_world_size
@@ -107,8 +111,9 @@ def worker_main(spec_path: str) -> None:
             )
         )
         sha = all_gather_object(weights_sha256(model), groups.sp_group)
+        tower_rows = all_gather_object(rows, groups.sp_group)
         if dist.get_rank() == 0:
-            result = {"loss": loss.item(), "grads": averaged, "weights_sha256": sha}
+            result = {"loss": loss.item(), "grads": averaged, "weights_sha256": sha, "tower_rows": tower_rows}
             tmp = spec.output + ".tmp"
             torch.save(result, tmp)
             os.replace(tmp, spec.output)

@@ -181,6 +181,86 @@ def group_sum(x: torch.Tensor, group: dist.ProcessGroup | None, grad_scale: floa
     return _GroupSum.apply(x, group, float(grad_scale))
 
 
+class _GatherRows(torch.autograd.Function):
+    """Forward: each tensor's rows from every rank, concatenated in rank order (ranks may hold different
+    numbers of rows). Backward: the adjoint, a reduce-scatter: every rank used the whole gathered tensor,
+    so the gradient of this rank's rows is the sum over the group of the gradients of those rows."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, check: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ws, rank = dist.get_world_size(group), dist.get_rank(group)
+        local = torch.tensor([check, *(x.shape[0] for x in xs)], dtype=torch.long)
+        counts = all_gather_stacked(local, group)  # [ws, 1 + len(xs)]
+        if bool((counts[:, 0] != check).any()):
+            raise ValueError(
+                f"all_gather_rows: the ranks of the group disagree on the input ({counts[:, 0].tolist()})."
+            )
+        ctx.group, ctx.rank, ctx.counts, ctx.stats = group, rank, counts[:, 1:], active_recorder()
+        outs = []
+        for i, x in enumerate(xs):
+            rows = counts[:, i + 1].tolist()
+            if min(rows) == max(rows):  # balanced: no padding, and the gathered blocks are the result
+                outs.append(all_gather_stacked(x.detach(), group).flatten(0, 1))
+                continue
+            padded = torch.zeros((max(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+            padded[: x.shape[0]] = x.detach()
+            blocks = all_gather_stacked(padded, group)  # [ws, max rows, ...]
+            outs.append(torch.cat([blocks[r, : rows[r]] for r in range(ws)]))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        out = []
+        for i, grad in enumerate(grads):
+            rows = ctx.counts[:, i].tolist()
+            if min(rows) == max(rows):
+                padded = grad.reshape(len(rows), rows[0], *grad.shape[1:])  # [ws, rows, ...]
+            else:
+                padded = grad.new_zeros((len(rows), max(rows), *grad.shape[1:]))  # [ws, max rows, ...]
+                for r, block in enumerate(grad.split(rows)):
+                    padded[r, : rows[r]] = block
+            out.append(_reduce_scatter_stacked(padded, ctx.group, ctx.stats)[: rows[ctx.rank]])
+        return None, None, *out
+
+
+def all_gather_rows(xs: list[torch.Tensor], group: dist.ProcessGroup | None, check: int = 0) -> list[torch.Tensor]:
+    """Differentiable all-gather of tensors along dim 0, where each rank may hold a different number of rows.
+
+    Args:
+        xs: this rank's tensors; every rank passes as many, with equal trailing shapes and dtypes.
+        group: the process group; `None` or a group of one rank returns `xs`.
+        check: a number every rank must pass equal (e.g. the size of the input they split); checked for free.
+
+    Returns:
+        Per tensor, every rank's rows in rank order. Backward gives each rank the sum over the group of the
+        gradients of its own rows (the explicit adjoint: torch's gloo all_gather backward is not trusted).
+
+    Raises:
+        ValueError: the ranks passed different `check` values.
+    """
+    if _solo(group) or not xs:
+        return list(xs)
+    return list(_GatherRows.apply(group, int(check), *xs))
+
+
+def _reduce_scatter_stacked(
+    blocks: torch.Tensor, group: dist.ProcessGroup, stats: CollectiveStats | None
+) -> torch.Tensor:
+    """Sum over the group of `blocks[rank]` (`blocks` is `[ws, ...]`); gloo has no reduce-scatter, so there
+    each rank's block travels by all-to-all (contiguous chunks) and the received blocks are summed."""
+    local = _to_group(blocks, group)
+    ws = dist.get_world_size(group)
+    with timed_collective("reduce_scatter", local, (ws - 1) / ws, stats), collective_failure("reduce_scatter", group):
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty_like(local[0])
+            dist.reduce_scatter_tensor(out, local, group=group)
+        else:
+            recv = torch.empty_like(local)
+            dist.all_to_all_single(recv, local, group=group)
+            out = recv.sum(0)
+    return out.to(blocks.device)
+
+
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Elementwise maximum of `x` over `group`, out of place and without autograd."""
     return _all_reduce(x, group, dist.ReduceOp.MAX)

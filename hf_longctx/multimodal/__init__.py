@@ -1,1 +1,2 @@
-"""Multimodal models under SP: the vision side on the full row, the decoder on shards (`vision.py`)."""
+"""Multimodal models under SP: the merge on the full row and the decoder on shards (`vision.py`), the vision
+tower sharded over the SP group (`vision_shard.py`)."""

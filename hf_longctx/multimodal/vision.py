@@ -10,14 +10,17 @@ row). So, per forward:
    `input_ids`, `attention_mask` and `mm_token_type_ids` over the SP group (small integer tensors) and
    hands the model the full row; `position_ids` are dropped where the model computes its own
    (mRoPE), and are the full row's otherwise;
-2. the vision tower therefore runs on every SP rank, on all images of the row (unsharded: at long
-   context it is small next to the decoder), and the features are merged on the full sequence;
+2. the vision tower runs sharded over the SP group (`vision_shard.py`): each image or video frame is
+   encoded on one rank, balanced by patches, and the features are all-gathered; they are merged on the
+   full sequence as without SP;
 3. a pre-hook on the decoder (`language_model`) slices `inputs_embeds`, `position_ids`,
    `attention_mask` and Qwen3-VL's DeepStack `visual_pos_masks` / `deepstack_visual_embeds` back to
    this rank's shard, in the data's token layout; the decoder, the head and the loss run sharded.
 
-Gradients reach the vision tower through the slicing (each rank: the part from its own tokens) and
-are summed over the SP group like those of every other replicated parameter (the embeddings).
+Gradients reach the features through the slicing (each rank: the part from its own tokens); the gather's
+backward sums them over the SP group and hands each rank its own images' rows, so the tower's parameter
+gradients, summed over the SP group like every replicated parameter's (the embeddings), count each image
+once. Gemma 3 is refused under SP (bidirectional attention within images in its decoder).
 For packed rows (positions that restart) of mRoPE models the hook computes each document's positions as if it
 were alone, with the model's own `get_rope_index` (`mrope.py`): transformers computes them per row.
 """
@@ -32,10 +35,16 @@ import torch
 from hf_longctx.data.layout import layout_indices, to_global_order
 from hf_longctx.distributed.comm import all_gather_sequence
 from hf_longctx.multimodal.mrope import document_rope_positions
+from hf_longctx.multimodal.vision_shard import shard_vision_tower
 
 _VISION_TOWERS = ("visual", "vision_tower", "vision_model")
 _FULL_ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 _ROPE_FROM_IDS = ("compute_3d_position_ids", "get_rope_index")
+# Families whose decoder needs more than the full-row merge and causal shards.
+_REFUSED = {
+    "gemma3": "its decoder attends bidirectionally within each image (token_type_ids), which the SP attention "
+    "(causal, from global positions) does not reproduce.",
+}
 
 
 def multimodal_model(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -55,7 +64,17 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
     """
     inner = multimodal_model(model)
     if inner is None:
+        other = next((m for m in model.modules() if any(t in m._modules for t in _VISION_TOWERS)), None)
+        if other is not None and handle.groups.sp_enabled:
+            raise ValueError(
+                f"{type(other).__name__} has a vision tower but no `language_model` decoder: hf_longctx places image "
+                "features on the full row only for models built as <tower> + language_model (Qwen-VL, LLaVA, "
+                "InternVL); its image tokens would be split from their features under SP."
+            )
         return []
+    refused = _REFUSED.get(getattr(getattr(inner, "config", None), "model_type", ""))
+    if refused and handle.groups.sp_enabled:
+        raise ValueError(f"{type(inner).__name__} under sequence parallelism is not supported: {refused}")
     groups, layout = handle.groups, handle.backend.layout
     rope_from_ids = any(hasattr(inner, name) for name in _ROPE_FROM_IDS)
 
@@ -114,7 +133,8 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         inner.register_forward_pre_hook(full_row, with_kwargs=True),
         inner.language_model.register_forward_pre_hook(shard, with_kwargs=True),
     ]
-    return [h.remove for h in hooks]
+    tower = next(inner._modules[t] for t in _VISION_TOWERS if t in inner._modules)
+    return [h.remove for h in hooks] + shard_vision_tower(tower, groups)
 
 
 def _visual_rows(full_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

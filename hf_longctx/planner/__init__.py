@@ -4,7 +4,8 @@
 the run's settings, `terms.py` the per-layer and loss activation terms (`tiled.py` for `tiled_layer`), `search.py`
 the cheapest configuration that fits, `settings.py` the real settings (TrainingArguments, ParallelismConfig,
 launch config) a run maps to, `devices.py` the device profiles, `model_shape.py` the shape numbers read from a
-model config. The planner imports no torch, so `hf-longctx plan` answers in well under a second.
+model config, `vision.py` a VLM's vision tower per rank (sharded over SP or not). The planner imports no torch,
+so `hf-longctx plan` answers in well under a second.
 """
 
 from hf_longctx.planner.devices import DEVICES, DeviceProfile
@@ -15,6 +16,7 @@ from hf_longctx.planner.search import SearchResult, Suggestion, search
 from hf_longctx.planner.settings import LAUNCH_CONFIGS, Settings, settings_for
 from hf_longctx.planner.terms import layer_bytes, loss_bytes, norm_bytes
 from hf_longctx.planner.tiled import tiled_layer_bytes
+from hf_longctx.planner.vision import VisionShape, vision_tower_bytes
 
 __all__ = [
     "ATTNS",
@@ -34,6 +36,7 @@ __all__ = [
     "Settings",
     "Suggestion",
     "UNMODELLED_BACKENDS",
+    "VisionShape",
     "estimate",
     "layer_bytes",
     "load_model_shape",
@@ -45,4 +48,5 @@ __all__ = [
     "settings_for",
     "shipped_model_names",
     "tiled_layer_bytes",
+    "vision_tower_bytes",
 ]

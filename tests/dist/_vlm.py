@@ -103,6 +103,14 @@ def llava_cases() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def count_patch_rows(model: torch.nn.Module) -> list[int]:
+    """A list that collects the rows each call of the Qwen vision tower's patch embedding receives: what this
+    rank's tower encodes (after any SP split)."""
+    rows: list[int] = []
+    model.model.visual.patch_embed.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    return rows
+
+
 def vision_parameter(name: str) -> bool:
     """A parameter of the vision tower (Qwen's `visual`, LLaVA's `vision_tower`)."""
     return ".visual." in name or name.startswith("model.visual") or ".vision_tower." in name
@@ -161,6 +169,7 @@ def trainer_worker(rank: int, world_size: int, out_dir: str, arch: str, sp_optio
         logging_steps=1, save_strategy="no", remove_unused_columns=False, parallelism_config=parallelism,
     )  # fmt: skip
     model = build(arch)
+    rows = count_patch_rows(model)
     first: dict[str, torch.Tensor] = {}
 
     class FirstGradients(TrainerCallback):
@@ -173,4 +182,5 @@ def trainer_worker(rank: int, world_size: int, out_dir: str, arch: str, sp_optio
     trainer.train()
     logs = [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history
             if "loss" in h]  # fmt: skip
-    return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation, "first_grads": first}
+    return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation, "first_grads": first,
+            "tower_rows": sum(rows)}  # fmt: skip

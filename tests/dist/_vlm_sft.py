@@ -81,6 +81,7 @@ def sft_worker(rank: int, world_size: int, out_dir: str, arch: str) -> dict:
         bf16=False, parallelism_config=parallelism,
     )  # fmt: skip
     model = V.build(arch)
+    rows = V.count_patch_rows(model)
     first: dict[str, torch.Tensor] = {}
 
     class FirstGradients(TrainerCallback):
@@ -93,4 +94,5 @@ def sft_worker(rank: int, world_size: int, out_dir: str, arch: str) -> dict:
     trainer.train()
     logs = [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history
             if "loss" in h]  # fmt: skip
-    return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation, "first_grads": first}
+    return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation, "first_grads": first,
+            "tower_rows": sum(rows)}  # fmt: skip

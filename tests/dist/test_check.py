@@ -150,6 +150,7 @@ def test_vision_language_passes(tmp_path, capsys, model_type, sp):
     code, out = run_check(capsys, "--model", str(folder), "--sp", str(sp), "--batch-size", "2")
     assert code == 0, out
     assert "vision tower " in out and ("image token -> id 511" if model_type == "llava" else "ids 508..511") in out, out
+    assert "vision tower sharded over the SP group: pixel rows per tower call on each rank" in out, out
     assert out.strip().splitlines()[-1].startswith(f"PASS: SP={sp} matches SP=1 for "), out
 
     if model_type == "llava":

@@ -1,7 +1,8 @@
 """Vision-language models under SP are exact: Qwen2.5-VL and Qwen3-VL (DeepStack), SP=2 and SP=4 vs SP=1.
 
-The vision tower runs on every SP rank on the full row's images, the features are merged and the mRoPE
-positions computed on the full row, and the decoder runs on shards (`hf_longctx/multimodal/vision.py`).
+The vision tower runs sharded over the SP group (`hf_longctx/multimodal/vision_shard.py`), the features are
+merged and the mRoPE positions computed on the full row, and the decoder runs on shards
+(`hf_longctx/multimodal/vision.py`).
 Compared with the plain model on the whole batch (no hf_longctx): the loss and every parameter's
 gradient, vision tower included; images straddle the shard boundaries, two images share a row next to a
 padded row with none, and one batch has no image at all.
@@ -136,6 +137,9 @@ def _steps_match(worker, tmp_path, arch: str, *args) -> dict[str, float]:
         worst.update(compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5))
         worst["first_grads"] = _compare_grads(result["first_grads"], ref["first_grads"])
     assert len(ref["logs"]) == 3 and set(worst) == {"loss", "grad_norm", "first_grads"}
+    # The vision tower ran sharded: each rank encoded part of the patches, together all of them (+ stand-ins).
+    rows = [result["tower_rows"] for result in runs]
+    assert max(rows) < ref["tower_rows"] <= sum(rows), (rows, ref["tower_rows"])
     return worst
 
 
