@@ -93,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "no hf_longctx setting turns them on, so the search plans without them",
     )
     parser.add_argument("--router-loss", action="store_true", help="MoE: train with the router load-balancing loss on")
+    parser.add_argument(
+        "--vision-patches",
+        type=int,
+        default=0,
+        help="VLM (a --model config with a vision_config): patches of every image and frame per micro-batch, "
+        "before the merge; the vision tower runs sharded over the SP group",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--attn", choices=ATTNS, default="flash", help="attention kernel (default flash)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
@@ -137,6 +144,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         host_memory_gib=args.host_memory,
         ulysses_head_chunks=args.ulysses_head_chunks,
         router_loss=args.router_loss,
+        vision_patches=args.vision_patches,
     )
 
 

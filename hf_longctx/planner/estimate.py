@@ -18,6 +18,7 @@ from hf_longctx.planner.layers import layer_stack
 from hf_longctx.planner.model_shape import ModelShape, ceil_div
 from hf_longctx.planner.run import RunConfig
 from hf_longctx.planner.terms import loss_bytes, norm_bytes, valid_head_chunks
+from hf_longctx.planner.vision import vision_tower_bytes
 
 GIB = 2**30
 TERMS = (
@@ -193,6 +194,20 @@ def gather_bytes(model: ModelShape, run: RunConfig, phase: str) -> float:
     return live if phase == "forward" else 0.0
 
 
+def _vision_tower(model: ModelShape, run: RunConfig, notes: list[str]) -> float:
+    """Bytes of a VLM's vision tower one rank keeps to the backward (`run.vision_patches`; 0 without)."""
+    if not run.vision_patches:
+        return 0.0
+    if model.vision is None:
+        raise ValueError(f"--vision-patches needs a model whose config has a vision_config; {model.name!r} has none.")
+    share = vision_tower_bytes(model.vision, run.vision_patches, run)
+    notes.append(
+        f"vision tower: {share['patches_per_rank']:,} of {run.vision_patches:,} patches encoded on this rank "
+        f"(sharded over SP), {_gib(share['saved_activations'] + share['gathered_features'])} GiB in saved activations"
+    )
+    return float(share["saved_activations"] + share["gathered_features"])
+
+
 def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
     """Per-rank peak memory of one training step (forward, loss, backward, optimizer step).
 
@@ -231,6 +246,8 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
         stored = min(2, n_layers) * checkpoint + shared  # the layer being recomputed and the prefetched one
     elif run.offload_activations:
         notes.append("on the CPU, offloaded activations stay in the same memory: no saving")
+    tower = _vision_tower(model, run, notes)
+    stored += tower  # the tower's backward runs after the decoder's: its activations are kept to the end
     # offload_activations copies every layer's input to pinned host memory, per rank on the node; the
     # offload flags keep what they move off the device (`offloaded_state_bytes`) on the host too.
     on_host = run.offload_activations and not device.host_is_device
@@ -262,7 +279,7 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
             "counted above); pad rows instead of packing them, or use --attn flash"
         )
     # The backward at its last layer: only layer 0's saved tensors (or input) are left.
-    stored_last = stack.kinds[0].kept(checkpoint) + shared
+    stored_last = stack.kinds[0].kept(checkpoint) + shared + tower
     # The final norm's saved tensors; tiled_layer checkpoints it per tile, so only its input stays.
     final_norm = tokens * (h * a if run.tiled_layer is not False else norm_bytes(h, a, run.liger_kernels))
     logits = loss_bytes(model, run, tokens, fused=run.tiled_loss and not device.host_is_device)

@@ -23,6 +23,39 @@ _EXPERT_INTERMEDIATE_KEYS = ("moe_intermediate_size", "expert_intermediate_size"
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """The sizes of a vision tower that set its activation memory."""
+
+    depth: int
+    hidden: int
+    intermediate: int
+    out_hidden: int
+    merge: int = 1  # patches merged into one feature (spatial_merge_size ** 2)
+    deepstack: int = 0  # extra feature maps gathered with the output (Qwen3-VL)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> VisionShape:
+        """Read a VLM `config.json` dict's `vision_config` (Qwen-VL `depth` or CLIP-style `num_hidden_layers`).
+
+        Raises:
+            ValueError: no vision config, or one without its depth and width.
+        """
+        vision = config.get("vision_config")
+        depth = vision and (vision.get("depth") or vision.get("num_hidden_layers"))
+        if not vision or not depth or "hidden_size" not in vision:
+            raise ValueError("vision_tower_bytes needs a config.json with a vision_config (depth and hidden_size).")
+        hidden = int(vision["hidden_size"])
+        return cls(
+            depth=int(depth),
+            hidden=hidden,
+            intermediate=int(vision.get("intermediate_size") or 4 * hidden),
+            out_hidden=int(vision.get("out_hidden_size") or config.get("text_config", {}).get("hidden_size") or hidden),
+            merge=int(vision.get("spatial_merge_size") or 1) ** 2,
+            deepstack=len(vision.get("deepstack_visual_indexes") or ()),
+        )
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Sizes of a decoder: what parameters, activations and logits scale with.
 
@@ -55,6 +88,7 @@ class ModelShape:
     sliding_window: int = 0
     attention_chunk: int = 0
     model_type: str = ""  # the config's `model_type`: which of hf_longctx's per-family features apply
+    vision: VisionShape | None = None  # a VLM's vision tower (`--vision-patches`)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -80,6 +114,7 @@ class ModelShape:
             ValueError: a required size is missing.
         """
         own = "a vision-language model" if "vision_config" in config else ""
+        vision = _vision_shape(config)
         config = config.get("text_config") or config
         if any(isinstance(t, str) and "linear" in t for t in config.get("layer_types") or ()):
             own = own or "it has linear-attention layers"
@@ -113,6 +148,7 @@ class ModelShape:
             shared_intermediate=shared,
             own_attention=own,
             model_type=str(config.get("model_type", "")),
+            vision=vision,
             **_attention_layers(config, int(config["num_hidden_layers"])),
         )
 
@@ -217,6 +253,14 @@ def load_model_shape(name_or_path: str) -> ModelShape:
         f"--model {name_or_path!r} is neither a config.json, a folder holding one, nor a shipped name; "
         f"shipped names: {shipped_model_names()} (no hub access: download config.json yourself)."
     )
+
+
+def _vision_shape(config: dict[str, Any]) -> VisionShape | None:
+    """The vision tower's sizes where the config gives them (only `--vision-patches` needs them)."""
+    try:
+        return VisionShape.from_config(config)
+    except ValueError:
+        return None
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -29,7 +29,8 @@ class RunConfig:
     is one node's RAM for pinned offloaded activations and offloaded model states (None: unlimited),
     shared by `ranks_per_node` ranks (default: min(world, 8)). `router_loss`: an MoE model trains with its
     router load-balancing loss on (`output_router_logits`), whose gradient keeps every layer's router logits to
-    the backward (recomputed with the layer under gradient checkpointing).
+    the backward (recomputed with the layer under gradient checkpointing). `vision_patches`: a VLM's patches
+    (every image and frame of a rank's micro-batch, before the merge), its vision tower sharded over the SP group.
     """
 
     seq_len: int
@@ -53,8 +54,11 @@ class RunConfig:
     host_memory_gib: float | None = None
     ulysses_head_chunks: int = 1
     router_loss: bool = False
+    vision_patches: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.vision_patches, int) or self.vision_patches < 0:
+            raise ValueError(f"vision_patches must be an integer >= 0, got {self.vision_patches!r}.")
         for key in ("seq_len", "world", "sp", "micro_batch"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -116,7 +116,8 @@ def plan_flags(run: RunConfig) -> list[str]:
     flags = ["--seq-len", str(run.seq_len), "--world", str(run.world), "--sp", str(run.sp)]
     valued = (("--engine", run.engine, "ddp"), ("--dtype", run.dtype, "bf16"), ("--attn", run.attn, "flash"),
               ("--micro-batch", run.micro_batch, 1), ("--ulysses-head-chunks", run.ulysses_head_chunks, 1),
-              ("--host-memory", run.host_memory_gib, None), ("--ranks-per-node", run.ranks_per_node, None))  # fmt: skip
+              ("--host-memory", run.host_memory_gib, None), ("--ranks-per-node", run.ranks_per_node, None),
+              ("--vision-patches", run.vision_patches, 0))  # fmt: skip
     for flag, value, default in valued:
         if value != default:
             flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]

@@ -8,49 +8,15 @@ the merged features of every image, gathered, and their gradient; unsharded it k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-from hf_longctx.planner.model_shape import ceil_div
+from hf_longctx.planner.model_shape import VisionShape, ceil_div
 from hf_longctx.planner.run import RunConfig
+
+__all__ = ["VisionShape", "vision_tower_bytes"]
 
 # Activation elements a ViT block keeps per patch for its backward, in units of (hidden, intermediate): the
 # two norms' inputs, q/k/v, the attention output, the projection's input and output (hidden each), and the
 # MLP's input, pre- and post-activation (intermediate each).
 _BLOCK_HIDDEN, _BLOCK_INTERMEDIATE = 8, 3
-
-
-@dataclass(frozen=True)
-class VisionShape:
-    """The sizes of a vision tower that set its activation memory."""
-
-    depth: int
-    hidden: int
-    intermediate: int
-    out_hidden: int
-    merge: int = 1  # patches merged into one feature (spatial_merge_size ** 2)
-    deepstack: int = 0  # extra feature maps gathered with the output (Qwen3-VL)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> VisionShape:
-        """Read a VLM `config.json` dict's `vision_config` (Qwen-VL `depth` or CLIP-style `num_hidden_layers`).
-
-        Raises:
-            ValueError: no vision config, or one without its depth and width.
-        """
-        vision = config.get("vision_config")
-        depth = vision and (vision.get("depth") or vision.get("num_hidden_layers"))
-        if not vision or not depth or "hidden_size" not in vision:
-            raise ValueError("vision_tower_bytes needs a config.json with a vision_config (depth and hidden_size).")
-        hidden = int(vision["hidden_size"])
-        return cls(
-            depth=int(depth),
-            hidden=hidden,
-            intermediate=int(vision.get("intermediate_size") or 4 * hidden),
-            out_hidden=int(vision.get("out_hidden_size") or config.get("text_config", {}).get("hidden_size") or hidden),
-            merge=int(vision.get("spatial_merge_size") or 1) ** 2,
-            deepstack=len(vision.get("deepstack_visual_indexes") or ()),
-        )
 
 
 def vision_tower_bytes(shape: VisionShape, patches: int, run: RunConfig, sharded: bool = True) -> dict[str, int]:
@@ -68,7 +34,12 @@ def vision_tower_bytes(shape: VisionShape, patches: int, run: RunConfig, sharded
     """
     per_rank = ceil_div(patches, run.sp) if sharded and run.sp > 1 else patches
     per_patch = _BLOCK_HIDDEN * shape.hidden + _BLOCK_INTERMEDIATE * shape.intermediate
-    saved = per_rank * shape.depth * per_patch * run.act_bytes
+    if (
+        run.gradient_checkpointing
+    ):  # transformers checkpoints the tower's blocks too: their inputs, and one block recomputed
+        saved = per_rank * (shape.depth * shape.hidden + per_patch) * run.act_bytes
+    else:
+        saved = per_rank * shape.depth * per_patch * run.act_bytes
     features = ceil_div(patches, shape.merge) * shape.out_hidden * (1 + shape.deepstack)
     gathered = 2 * features * run.act_bytes if sharded and run.sp > 1 else features * run.act_bytes
     return {"patches_per_rank": per_rank, "saved_activations": saved, "gathered_features": gathered}
