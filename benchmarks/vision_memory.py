@@ -47,7 +47,8 @@ def step(rank: int, world: int, frames: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     tower = Qwen3VLVisionModel._from_config(transformers.Qwen3VLVisionConfig(**VISION)).train()
-    undo = shard_vision_tower(tower, hf_longctx.SequenceParallelGroups.build(world)) if world > 1 else []
+    groups = hf_longctx.SequenceParallelGroups.build(world) if world > 1 else None
+    undo = shard_vision_tower(tower, groups, lambda: True) if groups else []  # the tower called as in a forward
     gen = torch.Generator().manual_seed(0)
     h, w = FRAME
     pixels = torch.randn(frames * h * w, 12, generator=gen)

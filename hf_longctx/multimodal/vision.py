@@ -129,12 +129,23 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         kwargs["position_ids"] = pos.index_select(pos.dim() - 1, index.to(pos.device))  # [bs, sl] or [3|4, bs, sl]
         return args, kwargs
 
+    inside: list[bool] = [False]  # the multimodal forward is running (the tower's calls in it are collective)
+
+    def enter(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        args, kwargs = full_row(module, args, kwargs)
+        inside[0] = True
+        return args, kwargs
+
+    def leave(*_: Any) -> None:
+        inside[0] = False
+
     hooks = [
-        inner.register_forward_pre_hook(full_row, with_kwargs=True),
+        inner.register_forward_pre_hook(enter, with_kwargs=True),
+        inner.register_forward_hook(leave, always_call=True),
         inner.language_model.register_forward_pre_hook(shard, with_kwargs=True),
     ]
     tower = next(inner._modules[t] for t in _VISION_TOWERS if t in inner._modules)
-    return [h.remove for h in hooks] + shard_vision_tower(tower, groups)
+    return [h.remove for h in hooks] + shard_vision_tower(tower, groups, lambda: inside[0])
 
 
 def _visual_rows(full_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The vision tower sharded over the SP group: each image or video frame encoded once in the job.
 
-`shard_vision_tower(tower, groups)` is the main entry. A pre-hook on the tower splits its input into items
+`shard_vision_tower(tower, groups, active)` is the main entry. A pre-hook on the tower splits its input into items
 (a Qwen-VL grid's frames, or the images of a `[images, ...]` batch), keeps this rank's contiguous run of
 items, balanced by patch count (`plan_items`), and a forward hook all-gathers every tensor of the output
 along dim 0 (`all_gather_rows`), so the model sees the output of the whole input, as without SP. The
@@ -11,8 +11,9 @@ replicated parameters' gradients (as for the embeddings) counts it once.
 A rank with no item of its own encodes the first item and discards it (zero rows gathered, zero gradient):
 every rank runs the tower forward and backward, so FSDP2 / ZeRO-3 parameter gathers and the feature gather
 stay matched. A call the hooks cannot split (no pixel tensor, another positional tensor, a Qwen-VL call with
-precomputed whole-call inputs) runs whole on every rank, as before. Every SP rank must call the tower
-together, as the model's forward does.
+precomputed whole-call inputs) runs whole on every rank, as before. Only calls inside the model's forward
+(`active()`), which every SP rank makes together, are split: a rank calling the tower on its own (e.g.
+`get_image_features` outside the forward) gets the whole input encoded there, and no collective to wait on.
 """
 
 from __future__ import annotations
@@ -168,12 +169,13 @@ def _leaves(output: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tenso
     return [], lambda xs: output
 
 
-def shard_vision_tower(tower: torch.nn.Module, groups: Any) -> list[Callable[[], None]]:
+def shard_vision_tower(tower: torch.nn.Module, groups: Any, active: Callable[[], bool]) -> list[Callable[[], None]]:
     """Run `tower` on this rank's share of each call's items and all-gather its output (module docstring).
 
     Args:
         tower: the vision tower module (Qwen's `visual`, LLaVA's / InternVL's `vision_tower`).
         groups: the `SequenceParallelGroups`; nothing is installed without SP.
+        active: whether the model's forward (a call every SP rank makes) is running; other calls run whole.
 
     Returns:
         The undo callables of the two hooks.
@@ -185,6 +187,8 @@ def shard_vision_tower(tower: torch.nn.Module, groups: Any) -> list[Callable[[],
 
     def before(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         pending.clear()
+        if not active():
+            return None
         call = split_tower_call(args, kwargs)
         if call is None:
             if not logged:  # once per tower

@@ -245,3 +245,38 @@ def zero3_worker(rank: int, world_size: int, out_dir: str, arch: str) -> dict:
     logs = [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history
             if "loss" in h]  # fmt: skip
     return {"logs": logs, "tower_rows": rows, "calls": calls}
+
+
+def lone_call_worker(rank: int, world_size: int, arch: str) -> tuple[bool, float, dict]:
+    """Under SP, rank 0 alone calls `get_image_features` outside the forward (no collective to wait on: it gets
+    the whole input's features, as the plain model's); then every rank trains one sharded forward as usual."""
+    import hf_longctx
+
+    torch.set_num_threads(1)
+    groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    batch = cases(arch)["video_and_image"]
+    model = build(arch)
+    with torch.no_grad():
+        plain = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
+    with hf_longctx.enable_sequence_parallel(model, groups):
+        same = True
+        if rank == 0:
+            with torch.no_grad():
+                alone = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
+            same = all(torch.equal(a, b) for a, b in zip(_flat(alone), _flat(plain), strict=True))
+        loss = loss_of(model, batch, groups)
+        loss.backward()
+    grads = grads_of(model)
+    for g in grads.values():
+        if g is not None:
+            dist.all_reduce(g, group=groups.sp_group)
+            g /= world_size
+    return same, loss.item(), grads
+
+
+def _flat(output) -> list[torch.Tensor]:
+    """The tensors of a (nested) model output, in order."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return [t for v in values for t in _flat(v)]

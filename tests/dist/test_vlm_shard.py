@@ -155,3 +155,14 @@ def test_sharded_tower_under_zero3_trainer(tmp_path):
         assert min(ranks) > 0 and sum(ranks) >= rows, (ranks, rows)
         if images >= 2:
             assert max(ranks) < rows, (ranks, rows)
+
+
+def test_a_lone_tower_call_runs_whole_without_a_collective():
+    """Only the model's forward (which every SP rank runs) is split: a rank calling `get_image_features` alone
+    gets the plain model's features instead of waiting in the gather forever; training stays exact after it."""
+    arch = "qwen2_5_vl"
+    results = run_distributed(S.lone_call_worker, 2, arch, timeout=180)
+    assert results[0][0], "rank 0's lone call differs from the plain model's features"
+    ref_loss, ref_grads = S.reference(arch, S.cases(arch)["video_and_image"], False)
+    for _, loss, grads in results:
+        _compare((arch, "ulysses", "video_and_image", False), loss, grads, ref_loss, ref_grads)
