@@ -246,19 +246,10 @@ def all_gather_rows(xs: list[torch.Tensor], group: dist.ProcessGroup | None, che
 def _reduce_scatter_stacked(
     blocks: torch.Tensor, group: dist.ProcessGroup, stats: CollectiveStats | None
 ) -> torch.Tensor:
-    """Sum over the group of `blocks[rank]` (`blocks` is `[ws, ...]`); gloo has no reduce-scatter, so there
-    each rank's block travels by all-to-all (contiguous chunks) and the received blocks are summed."""
-    local = _to_group(blocks, group)
+    """`ring_reduce_scatter`, timed and with its failure named (the gather's backward runs it)."""
     ws = dist.get_world_size(group)
-    with timed_collective("reduce_scatter", local, (ws - 1) / ws, stats), collective_failure("reduce_scatter", group):
-        if dist.get_backend(group) == "nccl":
-            out = torch.empty_like(local[0])
-            dist.reduce_scatter_tensor(out, local, group=group)
-        else:
-            recv = torch.empty_like(local)
-            dist.all_to_all_single(recv, local, group=group)
-            out = recv.sum(0)
-    return out.to(blocks.device)
+    with timed_collective("reduce_scatter", blocks, (ws - 1) / ws, stats), collective_failure("reduce_scatter", group):
+        return ring_reduce_scatter(blocks, group)
 
 
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

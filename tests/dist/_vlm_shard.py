@@ -143,6 +143,16 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return out
 
 
+def sp_mean_grads(model: torch.nn.Module, groups) -> dict[str, torch.Tensor | None]:
+    """Every gradient averaged over the SP group, as the DP engine's all-reduce would."""
+    grads = grads_of(model)
+    for g in grads.values():
+        if g is not None:
+            dist.all_reduce(g, group=groups.sp_group)
+            g /= groups.sp_world_size
+    return grads
+
+
 def reference(arch: str, batch: dict[str, torch.Tensor], frozen: bool) -> tuple[float, dict]:
     """The plain model on the whole batch, no hf_longctx."""
     model = build(arch)
@@ -171,11 +181,7 @@ def shard_worker(rank: int, world_size: int, runs: list[tuple[str, str, str, boo
             _count_rows(tower(model), rows)
             loss = loss_of(model, batch, groups)
             loss.backward()
-        grads = grads_of(model)
-        for g in grads.values():
-            if g is not None:
-                dist.all_reduce(g, group=groups.sp_group)
-                g /= world_size
+        grads = sp_mean_grads(model, groups)
         every = [None] * world_size
         dist.all_gather_object(every, rows, group=groups.sp_group)
         out[(arch, backend, name, frozen)] = (loss.item(), grads, every)
@@ -266,11 +272,7 @@ def lone_call_worker(rank: int, world_size: int, arch: str) -> tuple[bool, float
             same = all(torch.equal(a, b) for a, b in zip(_flat(alone), _flat(plain), strict=True))
         loss = loss_of(model, batch, groups)
         loss.backward()
-    grads = grads_of(model)
-    for g in grads.values():
-        if g is not None:
-            dist.all_reduce(g, group=groups.sp_group)
-            g /= world_size
+    grads = sp_mean_grads(model, groups)
     return same, loss.item(), grads
 
 
