@@ -20,7 +20,7 @@ QWEN = ("qwen2_5_vl", "qwen3_vl")
 
 
 def _runs(world_size: int) -> list[tuple[str, str, str, bool]]:
-    backends = ("ulysses", "auto") if world_size == 2 else ("ulysses",)
+    backends = ("ulysses", "auto")
     runs = [(arch, b, name, False) for arch in (*QWEN, "internvl") for b in backends for name in S.cases(arch)]
     return runs + [(arch, "ulysses", "video_and_image", True) for arch in QWEN]
 
