@@ -47,6 +47,11 @@ _REFUSED = {
 }
 
 
+def vision_refusal(inner: torch.nn.Module) -> str | None:
+    """Why hf_longctx cannot serve this multimodal model's decoder at any SP size (None: it can)."""
+    return _REFUSED.get(getattr(getattr(inner, "config", None), "model_type", ""))
+
+
 def multimodal_model(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module that merges image features into the embeddings and calls `language_model`, or None
     for a text-only model."""
@@ -72,7 +77,7 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
                 "InternVL); its image tokens would be split from their features under SP."
             )
         return []
-    refused = _REFUSED.get(getattr(getattr(inner, "config", None), "model_type", ""))
+    refused = vision_refusal(inner)
     if refused and handle.groups.sp_enabled:
         raise ValueError(f"{type(inner).__name__} under sequence parallelism is not supported: {refused}")
     groups, layout = handle.groups, handle.backend.layout
@@ -86,6 +91,8 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         if args:
             raise ValueError(f"{type(module).__name__} must be called with keyword arguments under SP.")
         context = handle.context
+        if context is None and not groups.sp_enabled:
+            return args, kwargs  # generation at sp_size=1 (attention/single.py): the model's own forward, as is
         if kwargs.get("input_ids") is None or context is None:
             raise ValueError(
                 "A vision-language model under sequence parallelism must be called with input_ids through its "

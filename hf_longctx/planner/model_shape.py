@@ -22,6 +22,11 @@ _TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk")
 _EXPERT_INTERMEDIATE_KEYS = ("moe_intermediate_size", "expert_intermediate_size")
 
 
+# Vision-language models hf_longctx leaves to transformers at sp_size=1 (`multimodal/vision.py::vision_refusal`,
+# which the planner cannot import: it imports no torch); every other VLM is served at every SP size.
+_OWN_ATTENTION_VLMS = {"gemma3": "a vision-language model whose decoder attends both ways within an image"}
+
+
 @dataclass(frozen=True)
 class VisionShape:
     """The sizes of a vision tower that set its activation memory."""
@@ -113,7 +118,7 @@ class ModelShape:
         Raises:
             ValueError: a required size is missing.
         """
-        own = "a vision-language model" if "vision_config" in config else ""
+        own = _OWN_ATTENTION_VLMS.get(str(config.get("model_type", "")), "") if "vision_config" in config else ""
         vision = _vision_shape(config)
         config = config.get("text_config") or config
         if any(isinstance(t, str) and "linear" in t for t in config.get("layer_types") or ()):

@@ -7,9 +7,10 @@
 - `sft_worker`: TRL's SFTTrainer on a Qwen VLM and its processor with a text-only dataset and
   `SFTConfig(packing=True)` (BFD packing, padding-free), which TRL 1.16 does accept for a VLM.
 
-`doc_exact` (one process) enables hf_longctx at SP=1 before training: documents apart, each with its own
-positions (`hf_longctx/multimodal/mrope.py`). transformers' own run of a packed row is no reference: it
-computes mRoPE positions per row, and lets packed documents attend to each other under its training defaults.
+`doc_exact` (one process) trains with `ParallelismConfig(sp_size=1)`: hf_longctx serves the VLM at SP=1,
+documents apart, each with its own positions (`hf_longctx/multimodal/mrope.py`). transformers' own run of a
+packed row is no reference: it computes mRoPE positions per row, and lets packed documents attend to each other
+under its training defaults.
 """
 
 from __future__ import annotations
@@ -73,10 +74,9 @@ def _train(trainer_cls: type, model: torch.nn.Module, args: Any, **kwargs: Any) 
 def _model(arch: str, world_size: int, doc_exact: bool) -> tuple[torch.nn.Module, Any]:
     import hf_longctx
 
-    model = V.build(arch)
-    if doc_exact:
-        hf_longctx.enable_sequence_parallel(model, hf_longctx.SequenceParallelGroups.single())
-    return model, hf_longctx.ParallelismConfig(sp_size=world_size) if world_size > 1 else None
+    # The reference (doc_exact) is the Trainer at sp_size=1 through hf_longctx: it serves VLMs there too, with
+    # per-document mRoPE positions, so packed rows train the same at every SP size.
+    return V.build(arch), hf_longctx.ParallelismConfig(sp_size=world_size) if doc_exact or world_size > 1 else None
 
 
 _ARGS = {"use_cpu": True, "report_to": [], "disable_tqdm": True, "seed": 1, "per_device_train_batch_size": 2,

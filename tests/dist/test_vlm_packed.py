@@ -90,6 +90,7 @@ def _steps_match(worker, tmp_path, arch: str) -> tuple[dict[str, float], dict]:
     ref = run_distributed(worker, 1, str(tmp_path / "ref"), arch, True, timeout=300)[0]
     runs = run_distributed(worker, 2, str(tmp_path / "sp"), arch, False, timeout=300)
     assert len(ref["logs"]) == 3
+    assert ref["attn"].startswith("hf_longctx_ulysses"), ref["attn"]  # sp_size=1 served by hf_longctx too
     assert min(ref["documents"]) >= 2, ref["documents"]  # every batch a padding-free row of several documents
     worst = {}
     for result in runs:

@@ -87,6 +87,41 @@ def test_document_attention_is_refused_where_it_cannot_serve():
     assert "linear-attention" in document_attention_refusal(tiny_qwen3_next(), config)
 
 
+def test_vision_language_models_are_served_at_sp1_except_gemma3():
+    """Qwen-VL / LLaVA get hf_longctx at sp_size=1 (per-document mRoPE positions for packed rows, as at SP > 1);
+    Gemma 3's decoder attends both ways within an image, so it keeps its own attention."""
+    import transformers
+
+    from tests.dist import _vlm as V
+
+    config = type("C", (), {"ulysses_head_chunks": 1})()
+    for arch in (*V.ARCHS, "llava"):
+        assert document_attention_refusal(V.build(arch), config) is None, arch
+    text = {"vocab_size": 160, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 8, "patch_size": 2}  # fmt: skip
+    gemma3 = transformers.Gemma3ForConditionalGeneration._from_config(
+        transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    )
+    assert "bidirectionally" in document_attention_refusal(gemma3, config)
+
+
+def test_vlm_generation_at_sp1_is_the_models_own():
+    """`generate()` on a Qwen-VL model with hf_longctx at sp_size=1 gives the plain model's tokens (the image merge
+    hook steps aside when the forward runs the model's own attention)."""
+    from tests.dist import _vlm as V
+
+    inputs = V.batch([V.row(40, [(10, (4, 4))], seed=3)], 40)
+    inputs = {k: v for k, v in inputs.items() if k not in ("labels", "mm_token_type_ids")}
+    for arch in V.ARCHS:
+        ref_model, model = V.build(arch).eval(), V.build(arch).eval()
+        want = ref_model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        with enable_sequence_parallel(model, SINGLE):
+            got = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want), arch
+
+
 def test_generate_with_a_static_cache_runs_the_models_own_masks():
     """A static cache's masks are built in `prepare_inputs_for_generation`, outside the forward: `generate()` as a
     whole runs the model's own attention, so left padding stays masked (it was attended before)."""

@@ -6,9 +6,11 @@ accelerator's `prepare` / `prepare_model` (instance attributes): each model gets
 when it is a text decoder whose token mixers are all softmax attention, hf_longctx's attention with
 single-process groups (`enable_sequence_parallel(model, SequenceParallelGroups.single())`): its own kernel per
 document of `position_ids`, no mask; generation (`generate()`, a filled KV cache, left padding) runs the model's
-own attention (`attention/single.py`). Vision-language and linear-attention models, decoders that do not call
-transformers' attention interface and attention that is not causal (`attention/semantics.py`) keep theirs
-(logged). `detach_single` undoes everything.
+own attention (`attention/single.py`). Vision-language models are served too (the image merge and per-document
+mRoPE positions of `multimodal/vision.py`, so packed VLM rows train as at SP > 1), except those
+`vision_refusal` names (Gemma 3); linear-attention models, decoders that do not call transformers' attention
+interface and attention that is not causal (`attention/semantics.py`) keep theirs (logged).
+`detach_single` undoes everything.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from hf_longctx.attention.registry import SequenceParallelHandle, check_model, e
 from hf_longctx.attention.semantics import uses_attention_interface
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.memory.flags import MemoryHandle, apply_memory_flags
-from hf_longctx.multimodal.vision import multimodal_model
+from hf_longctx.multimodal.vision import multimodal_model, vision_refusal
 
 logger = logging.getLogger(__name__)
 STATE_ATTR = "_hf_longctx_single"
@@ -37,8 +39,10 @@ def _unwrap(model: Any) -> Any:
 
 def document_attention_refusal(model: torch.nn.Module, config: Any) -> str | None:
     """Why `model` keeps its own attention at `sp_size=1` (None: hf_longctx serves it)."""
-    if multimodal_model(model) is not None:
-        return "a vision-language model"
+    inner = multimodal_model(model)
+    refused = vision_refusal(inner) if inner is not None else None
+    if refused:
+        return f"a vision-language model: {refused}"
     if linear_layers(model):
         return "it has linear-attention layers"
     if not uses_attention_interface(model):
