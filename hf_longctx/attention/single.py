@@ -37,6 +37,9 @@ def single_process_positions(kwargs: dict[str, Any]) -> torch.Tensor | None:
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and not right_padded(mask):
         return None
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        return None  # a VLM's precomputed mRoPE positions ([3 or 4, batch, seq]): the model's own forward, as given
     ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if ids is None:
         return kwargs.get("position_ids")

@@ -44,6 +44,8 @@ _ROPE_FROM_IDS = ("compute_3d_position_ids", "get_rope_index")
 _REFUSED = {
     "gemma3": "its decoder attends bidirectionally within each image (token_type_ids), which the SP attention "
     "(causal, from global positions) does not reproduce.",
+    "molmo2": "its decoder attends bidirectionally within the image tokens (block_sequence_ids from "
+    "mm_token_type_ids), which the SP attention (causal, from global positions) does not reproduce.",
 }
 
 
@@ -91,8 +93,9 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         if args:
             raise ValueError(f"{type(module).__name__} must be called with keyword arguments under SP.")
         context = handle.context
-        if context is None and not groups.sp_enabled:
-            return args, kwargs  # generation at sp_size=1 (attention/single.py): the model's own forward, as is
+        if not groups.sp_enabled and (context is None or kwargs.get("input_ids") is None):
+            # sp_size=1: generation or given mRoPE positions (attention/single.py), or inputs_embeds: as is
+            return args, kwargs
         if kwargs.get("input_ids") is None or context is None:
             raise ValueError(
                 "A vision-language model under sequence parallelism must be called with input_ids through its "

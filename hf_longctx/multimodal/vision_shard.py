@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 _PIXEL_KEYS = ("pixel_values", "hidden_states")  # Qwen2.5-VL names the tower's pixel input hidden_states
 _GRID_KEY = "grid_thw"
+# Towers whose batch-layout call encodes each image apart and returns one output row per image in dim 0: only
+# theirs are cut by image. Others (Pixtral joins every patch into one sequence, `[1, patches, dim]`; towers with a
+# grid under another name or per-image shapes not in `_PER_IMAGE`) run whole, exact but unsharded.
+BATCH_TOWERS = frozenset({"CLIPVisionModel", "SiglipVisionModel", "InternVLVisionModel"})
 # Inputs of batch-layout towers with one entry per image, cut with the images; any other passes unchanged.
 _PER_IMAGE = ("patch_attention_mask", "pixel_attention_mask", "image_sizes")
 # Inputs a Qwen-VL tower takes precomputed for the whole call (transformers' `vision_utils`): such a call runs whole.
@@ -71,7 +75,7 @@ class TowerCall:
     select: Callable[[int, int], tuple[tuple, dict[str, Any]]]
 
 
-def split_tower_call(args: tuple, kwargs: dict[str, Any]) -> TowerCall | None:
+def split_tower_call(args: tuple, kwargs: dict[str, Any], batch_layout: bool = True) -> TowerCall | None:
     """The items of one tower call, or None where the call has inputs these hooks do not know how to cut.
 
     Qwen-VL layout (a `grid_thw` input): the items are frames, `(t, h, w)` giving t frames of h * w patch
@@ -79,7 +83,8 @@ def split_tower_call(args: tuple, kwargs: dict[str, Any]) -> TowerCall | None:
     as in the whole call); a call with precomputed whole-call inputs (`cu_seqlens`, ...) is not cut. Batch
     layout: the items are dim 0 of the pixel tensor, cost 1 each; per-image inputs (`_PER_IMAGE`: patch masks,
     image sizes) are cut with it. Other keyword inputs (what the model's forward passes on through
-    `**kwargs`: the Trainer's `num_items_in_batch`, SP's `shift_labels`) pass unchanged.
+    `**kwargs`: the Trainer's `num_items_in_batch`, SP's `shift_labels`) pass unchanged. `batch_layout=False`
+    (a tower not in `BATCH_TOWERS`): a call without a grid is not cut.
     """
     pixel_key = next((k for k in _PIXEL_KEYS if isinstance(kwargs.get(k), torch.Tensor)), None)
     if args and isinstance(args[0], torch.Tensor):
@@ -94,7 +99,7 @@ def split_tower_call(args: tuple, kwargs: dict[str, Any]) -> TowerCall | None:
     grid = others.pop(_GRID_KEY, None)
     if isinstance(grid, torch.Tensor):
         return _grid_call(pixels, grid, rest_args, others, pixel_key)
-    return _batch_call(pixels, rest_args, others, pixel_key)
+    return _batch_call(pixels, rest_args, others, pixel_key) if batch_layout else None
 
 
 def _grid_call(
@@ -189,7 +194,7 @@ def shard_vision_tower(tower: torch.nn.Module, groups: Any, active: Callable[[],
         pending.clear()
         if not active():
             return None
-        call = split_tower_call(args, kwargs)
+        call = split_tower_call(args, kwargs, batch_layout=type(module).__name__ in BATCH_TOWERS)
         if call is None:
             if not logged:  # once per tower
                 logger.info("hf_longctx: %s called with inputs it cannot split; it runs whole.", type(module).__name__)

@@ -24,7 +24,9 @@ _EXPERT_INTERMEDIATE_KEYS = ("moe_intermediate_size", "expert_intermediate_size"
 
 # Vision-language models hf_longctx leaves to transformers at sp_size=1 (`multimodal/vision.py::vision_refusal`,
 # which the planner cannot import: it imports no torch); every other VLM is served at every SP size.
-_OWN_ATTENTION_VLMS = {"gemma3": "a vision-language model whose decoder attends both ways within an image"}
+_OWN_ATTENTION_VLMS = dict.fromkeys(
+    ("gemma3", "molmo2"), "a vision-language model whose decoder attends both ways within an image"
+)
 
 
 @dataclass(frozen=True)

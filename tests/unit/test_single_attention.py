@@ -211,3 +211,27 @@ def test_grouped_kv_reach_sdpa_expanded_where_only_its_math_kernel_takes_them(mo
     with enable_sequence_parallel(model, SINGLE):
         got = model(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_vlm_at_sp1_takes_given_mrope_positions_and_inputs_embeds_as_is():
+    """sp_size=1: a VLM called with precomputed 3-D mRoPE positions (LLaMA-Factory-style collators) or with
+    inputs_embeds runs its own forward, as without hf_longctx; Molmo 2 (both-way image attention) is refused."""
+    from hf_longctx.multimodal.vision import vision_refusal
+    from tests.dist import _vlm as V
+
+    ids = torch.randint(3, 140, (1, 12), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(12).expand(3, 1, 12)
+    for arch in V.ARCHS:
+        ref_model, model = V.build(arch).eval(), V.build(arch).eval()
+        embeds = ref_model.get_input_embeddings()(ids)
+        with torch.no_grad():
+            want = ref_model(input_ids=ids, position_ids=positions).logits
+            want_embeds = ref_model(inputs_embeds=embeds).logits
+            with enable_sequence_parallel(model, SINGLE):
+                got = model(input_ids=ids, position_ids=positions).logits
+                got_embeds = model(inputs_embeds=embeds).logits
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_embeds, want_embeds)
+    molmo = torch.nn.Module()
+    molmo.config = type("Config", (), {"model_type": "molmo2"})()
+    assert "bidirectionally" in vision_refusal(molmo)

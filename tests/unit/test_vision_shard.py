@@ -75,3 +75,16 @@ def test_calls_it_cannot_cut_are_left_whole():
     assert split_tower_call((pixels, torch.ones(3)), {}) is None  # a positional tensor
     assert split_tower_call((), {"grid_thw": torch.tensor([[1, 2, 2]])}) is None  # no pixels
     assert split_tower_call((torch.randn(5, 4),), {"grid_thw": torch.tensor([[1, 2, 2]])}) is None  # rows != grid
+
+
+def test_only_known_batch_towers_are_cut_by_image():
+    """A tower outside `BATCH_TOWERS` (Pixtral returns `[1, patches, dim]` for all its images) is not cut in batch
+    layout: it runs whole; Qwen-VL grid calls are cut whatever the tower."""
+    from hf_longctx.multimodal.vision_shard import BATCH_TOWERS
+
+    assert "PixtralVisionModel" not in BATCH_TOWERS and "CLIPVisionModel" in BATCH_TOWERS
+    pixels = torch.randn(3, 3, 8, 8)
+    assert split_tower_call((pixels,), {}, batch_layout=False) is None
+    assert split_tower_call((pixels,), {}, batch_layout=True).costs == [1, 1, 1]
+    grid = torch.tensor([[1, 2, 2]])
+    assert split_tower_call((torch.randn(4, 12),), {"grid_thw": grid}, batch_layout=False).costs == [4]
