@@ -121,6 +121,13 @@ def device_profile(args: argparse.Namespace) -> DeviceProfile:
     return profile
 
 
+def device_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The device flags as typed (none for the default profile), for the plan commands the search prints."""
+    if args.gpu_memory is not None:
+        return ("--gpu-memory", f"{args.gpu_memory:g}")
+    return ("--gpu", args.gpu) if args.gpu != "h100" else ()
+
+
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The `RunConfig` the flags describe."""
     return RunConfig(
@@ -171,12 +178,12 @@ def run(args: argparse.Namespace) -> int:
         if longest is not None:
             out["max_seq_fits"] = longest
         if found is not None:
-            out["search"] = search_dict(args.model, found)
+            out["search"] = search_dict(args.model, found, device_flags(args))
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, model.name, config, device, longest))
         if found is not None:
-            print(format_search(args.model, found, config))
+            print(format_search(args.model, found, config, device_flags(args)))
     return EXIT_CODES.get(plan.verdict(), 1)
 
 
@@ -236,7 +243,7 @@ def verdict_text(plan: Plan) -> str:
     return f"{plan.verdict()} ({100 * plan.headroom:.0f}% headroom)"
 
 
-def format_search(model_arg: str, found: SearchResult, asked: RunConfig) -> str:
+def format_search(model_arg: str, found: SearchResult, asked: RunConfig, device: tuple[str, ...] = ()) -> str:
     """The cheapest configuration that fits, as the settings to use; or, if none does, the lowest peak planned."""
     searched = f"planned {found.planned:,} of {found.candidates:,}: engine, offloads, SP size, memory flags"
     if found.best is None:
@@ -245,12 +252,12 @@ def format_search(model_arg: str, found: SearchResult, asked: RunConfig) -> str:
             lowest = found.lowest.plan
             lines += [
                 f"  lowest peak: {lowest.peak_gib:.2f} GiB, {verdict_text(lowest)}:",
-                f"    {settings_for(model_arg, found.lowest.run).plan_command}",
+                f"    {settings_for(model_arg, found.lowest.run, device).plan_command}",
             ]
         lines.append("  use more GPUs (--world), a shorter --seq-len, or more --host-memory where offloads need it")
         return "\n".join(lines)
     best = found.best
-    settings = settings_for(model_arg, best.run)
+    settings = settings_for(model_arg, best.run, device)
     lines = [
         f"  cheapest configuration that fits ({searched}; cheapest first, docs/planner.md):",
         f"    peak {best.plan.peak_gib:.2f} of {best.plan.capacity_gib:.2f} GiB, {100 * best.plan.headroom:.0f}% "
@@ -268,11 +275,11 @@ def format_search(model_arg: str, found: SearchResult, asked: RunConfig) -> str:
     return "\n".join(lines)
 
 
-def search_dict(model_arg: str, found: SearchResult) -> dict[str, Any]:
+def search_dict(model_arg: str, found: SearchResult, device: tuple[str, ...] = ()) -> dict[str, Any]:
     """The search for `--json`: the configuration that fits (or null) with its settings, and the lowest peak."""
     out: dict[str, Any] = {"planned": found.planned, "candidates": found.candidates, "fits": None}
     if found.best is not None:
-        best, settings = found.best, settings_for(model_arg, found.best.run)
+        best, settings = found.best, settings_for(model_arg, found.best.run, device)
         out["fits"] = {
             "run": vars(best.run),
             "peak_gib": best.plan.peak_gib,

@@ -37,6 +37,7 @@ LAUNCH_CONFIGS: tuple[LaunchConfig, ...] = (
     LaunchConfig("configs/fsdp2_sp8.yaml", "fsdp2", 8),
     LaunchConfig("configs/zero3_offload_1gpu.yaml", "zero3", 1, offload_optimizer=True, offload_params=True),
     LaunchConfig("configs/2nodes_sp8.yaml", "zero3", 16, machines=2),
+    LaunchConfig("configs/2nodes_fsdp2_sp8.yaml", "fsdp2", 16, machines=2),
 )
 
 
@@ -117,7 +118,7 @@ def plan_flags(run: RunConfig) -> list[str]:
     valued = (("--engine", run.engine, "ddp"), ("--dtype", run.dtype, "bf16"), ("--attn", run.attn, "flash"),
               ("--micro-batch", run.micro_batch, 1), ("--ulysses-head-chunks", run.ulysses_head_chunks, 1),
               ("--host-memory", run.host_memory_gib, None), ("--ranks-per-node", run.ranks_per_node, None),
-              ("--vision-patches", run.vision_patches, 0))  # fmt: skip
+              ("--vision-patches", run.vision_patches, 0), ("--sp-backend", run.sp_backend, "ulysses"))  # fmt: skip
     for flag, value, default in valued:
         if value != default:
             flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
@@ -130,8 +131,9 @@ def plan_flags(run: RunConfig) -> list[str]:
     return flags + [flag for flag, on in switches if on]
 
 
-def settings_for(model_arg: str, run: RunConfig) -> Settings:
-    """Every setting `run` needs, for the model given as `model_arg` (as typed to `--model`).
+def settings_for(model_arg: str, run: RunConfig, device_flags: tuple[str, ...] = ()) -> Settings:
+    """Every setting `run` needs, for the model given as `model_arg` (as typed to `--model`) on the device that
+    `device_flags` names (`--gpu NAME` / `--gpu-memory GIB` as typed; none: the default profile).
 
     Raises:
         ValueError: `run.liger_kernels` (no hf_longctx setting turns Liger's kernels on) or an engine without a
@@ -143,13 +145,16 @@ def settings_for(model_arg: str, run: RunConfig) -> Settings:
     if run.gradient_checkpointing:
         training["gradient_checkpointing"] = True
     parallel: dict[str, Any] = {"sp_size": run.sp}
+    if run.sp_backend != "ulysses":
+        parallel["sp_backend"] = run.sp_backend
     for key in ("tiled_loss", "tiled_mlp", "tiled_layer", "offload_activations"):
         if getattr(run, key) is not False:
             parallel[key] = getattr(run, key)
     if run.ulysses_head_chunks > 1:
         parallel["ulysses_head_chunks"] = run.ulysses_head_chunks
     config = launch_config(run)
-    command = " ".join(["hf-longctx", "plan", "--model", shlex.quote(model_arg), *plan_flags(run)])
+    words = ["hf-longctx", "plan", "--model", model_arg, *device_flags, *plan_flags(run)]
+    command = " ".join(shlex.quote(w) for w in words)
     return Settings(
         training_arguments=training,
         parallelism_config=parallel,

@@ -196,3 +196,15 @@ def test_the_readme_example_fits_and_shows_its_output(capsys):
     default = argv[: argv.index("--sp")]
     _, out = _json(capsys, default)
     assert shlex.split(out["search"]["fits"]["plan_command"])[1:] == argv
+
+
+@pytest.mark.parametrize("device", [["--gpu", "h200"], ["--gpu-memory", "60"]])
+def test_the_printed_plan_command_keeps_the_device(capsys, device):
+    """The search's plan command re-plans on the device asked for (not the default H100): same peak, fits."""
+    code, out = _json(capsys, ["plan", "--model", "qwen3-4b", "--seq-len", "1048576", "--world", "8", *device])
+    found = out["search"]["fits"]
+    assert code == 1 and found is not None
+    argv = shlex.split(found["plan_command"])[1:]
+    assert argv[argv.index("--model") + 2 : argv.index("--model") + 4] == device, argv
+    again_code, again = _json(capsys, argv)
+    assert again_code == 0 and again["peak_gib"] == found["peak_gib"] and again["device"] == out["device"]
