@@ -184,3 +184,24 @@ def trainer_worker(rank: int, world_size: int, out_dir: str, arch: str, sp_optio
             if "loss" in h]  # fmt: skip
     return {"logs": logs, "attn": model.config.get_text_config()._attn_implementation, "first_grads": first,
             "tower_rows": sum(rows)}  # fmt: skip
+
+
+def sp_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], groups) -> torch.Tensor:
+    """This rank's share of the SP loss of one forward on `batch` (the model under `enable_sequence_parallel`)."""
+    import hf_longctx
+
+    shard = hf_longctx.shard_batch(batch, groups)
+    shift_labels = shard.pop("shift_labels")
+    return hf_longctx.sequence_parallel_loss(model(**shard).logits, shift_labels, groups)
+
+
+def sp_mean(grads: dict[str, torch.Tensor | None], groups) -> dict[str, torch.Tensor | None]:
+    """The gradients averaged over the SP group in one all-reduce, as the DP engine's would (None stays None)."""
+    import torch.distributed as dist
+
+    present = {k: g for k, g in grads.items() if g is not None}
+    flat = torch.cat([g.reshape(-1) for g in present.values()])
+    dist.all_reduce(flat, group=groups.sp_group)
+    flat /= groups.sp_world_size
+    parts = dict(zip(present, flat.split([g.numel() for g in present.values()]), strict=True))
+    return {k: None if g is None else parts[k].view_as(g) for k, g in grads.items()}

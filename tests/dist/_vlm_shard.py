@@ -123,15 +123,11 @@ def _count_rows(module: torch.nn.Module, counts: list[int]) -> None:
 
 def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], groups) -> torch.Tensor:
     """The SP loss of one forward (the plain mean cross-entropy without groups)."""
-    import hf_longctx
-
     if groups is None:
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         shift = batch["labels"][:, 1:]
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), shift.flatten(), ignore_index=-100)
-    shard = hf_longctx.shard_batch(batch, groups)
-    shift_labels = shard.pop("shift_labels")
-    return hf_longctx.sequence_parallel_loss(model(**shard).logits, shift_labels, groups)
+    return V.sp_loss(model, batch, groups)
 
 
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -145,12 +141,7 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 def sp_mean_grads(model: torch.nn.Module, groups) -> dict[str, torch.Tensor | None]:
     """Every gradient averaged over the SP group, as the DP engine's all-reduce would."""
-    grads = grads_of(model)
-    for g in grads.values():
-        if g is not None:
-            dist.all_reduce(g, group=groups.sp_group)
-            g /= groups.sp_world_size
-    return grads
+    return V.sp_mean(grads_of(model), groups)
 
 
 def reference(arch: str, batch: dict[str, torch.Tensor], frozen: bool) -> tuple[float, dict]:

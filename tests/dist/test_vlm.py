@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import hf_longctx
@@ -51,19 +50,9 @@ def vlm_worker(rank: int, world_size: int, archs: tuple[str, ...], backends: tup
             for name, batch in V.cases(arch).items():
                 model = V.build(arch)
                 with hf_longctx.enable_sequence_parallel(model, groups, backend):
-                    shard = hf_longctx.shard_batch(batch, groups)
-                    shift_labels = shard.pop("shift_labels")
-                    logits = model(**shard).logits
-                    loss = hf_longctx.sequence_parallel_loss(logits, shift_labels, groups)
+                    loss = V.sp_loss(model, batch, groups)
                     loss.backward()
-                grads = _grads(model)
-                flat = torch.cat([g.reshape(-1) for g in grads.values()])
-                dist.all_reduce(flat, group=groups.sp_group)  # the DP engine's sum over the SP group
-                flat /= world_size
-                offset, summed = 0, {}
-                for key, g in grads.items():
-                    summed[key] = flat[offset : offset + g.numel()].view_as(g)
-                    offset += g.numel()
+                summed = V.sp_mean(_grads(model), groups)
                 if rank == 0:
                     out[(arch, backend, name)] = (loss.item(), summed)
     return out

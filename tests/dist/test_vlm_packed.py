@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import hf_longctx
@@ -52,16 +51,9 @@ def packed_worker(rank: int, world_size: int, backends: tuple[str, ...]) -> dict
             for name, batch in P.cases(arch).items():
                 model = V.build(arch)
                 with hf_longctx.enable_sequence_parallel(model, groups, backend):
-                    shard = hf_longctx.shard_batch(batch, groups)
-                    shift_labels = shard.pop("shift_labels")
-                    loss = hf_longctx.sequence_parallel_loss(model(**shard).logits, shift_labels, groups)
+                    loss = V.sp_loss(model, batch, groups)
                     loss.backward()
-                grads = _grads(model)
-                flat = torch.cat([g.reshape(-1) for g in grads.values()])
-                dist.all_reduce(flat, group=groups.sp_group)  # the DP engine's mean over the SP group
-                flat /= world_size
-                sizes = [g.numel() for g in grads.values()]
-                summed = {k: f.view_as(g) for (k, g), f in zip(grads.items(), flat.split(sizes), strict=True)}
+                summed = V.sp_mean(_grads(model), groups)
                 if rank == 0:
                     out[(arch, backend, name)] = (loss.item(), summed)
     return out
