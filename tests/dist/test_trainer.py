@@ -279,18 +279,11 @@ def test_eval_and_predict_through_a_subclass_match_single_process(out_root):
 @pytest.mark.slow
 def test_dp2_sp2_matches_plain_ddp(out_root, record_property):
     world4, world2 = _world(4, out_root), _world(2, out_root)
-
-    worst: dict[str, float] = {}
+    worst = _assert_dp_sp_matches_ddp(world4, world2, "dpsp", "ddp")
     for rank, rank_results in enumerate(world4):
-        result, ref = rank_results["dpsp"], world2[rank // 2]["ddp"]
-        assert result["attn"].startswith("hf_longctx_ulysses")
-        for key, value in U.compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), RTOL).items():
-            worst[key] = max(worst.get(key, 0.0), value)
-        # Rows per step: DP rank rank // 2 of the SP run reads what DDP rank rank // 2 reads.
-        assert result["rows"][:3] == ref["rows"][:3], rank
+        assert rank_results["dpsp"]["attn"].startswith("hf_longctx_ulysses")
         # predict() with different batch lengths across DP ranks: whole sequences padded, as with DDP.
-        _assert_predictions_match(result["predict"], ref["predict"])
-    assert world2[0]["ddp"]["rows"][:3] != world2[1]["ddp"]["rows"][:3]
+        _assert_predictions_match(rank_results["dpsp"]["predict"], world2[rank // 2]["ddp"]["predict"])
     assert [h["step"] for h in world2[0]["ddp"]["logs"]] == [1, 2, 3]
     record_property("max_rel_diff", worst)
 
@@ -314,15 +307,21 @@ def test_every_train_sampling_strategy_sp2_matches_single_process(name, out_root
 @pytest.mark.slow
 def test_batch_rebalance_dp2_sp2_matches_plain_ddp(out_root, record_property):
     """DP=2 x SP=2: the two SP groups rebalance the step's samples as two DDP ranks without SP do."""
-    world4, world2 = _world(4, out_root), _world(2, out_root)
+    worst = _assert_dp_sp_matches_ddp(_world(4, out_root), _world(2, out_root), "dpsp_rebalance", "ddp_rebalance")
+    record_property("max_rel_diff", worst)
+
+
+def _assert_dp_sp_matches_ddp(world4: list, world2: list, sp_run: str, ddp_run: str) -> dict[str, float]:
+    """DP=2 x SP=2 (`sp_run` on 4 ranks) against plain DDP (`ddp_run` on 2): per-step loss and grad_norm, and
+    DP rank rank // 2 of the SP run reads the rows DDP rank rank // 2 reads (the two DP ranks differ)."""
     worst: dict[str, float] = {}
     for rank, rank_results in enumerate(world4):
-        result, ref = rank_results["dpsp_rebalance"], world2[rank // 2]["ddp_rebalance"]
+        result, ref = rank_results[sp_run], world2[rank // 2][ddp_run]
         for key, value in U.compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), RTOL).items():
             worst[key] = max(worst.get(key, 0.0), value)
         assert result["rows"][:3] == ref["rows"][:3], rank
-    assert world2[0]["ddp_rebalance"]["rows"][:3] != world2[1]["ddp_rebalance"]["rows"][:3]
-    record_property("max_rel_diff", worst)
+    assert world2[0][ddp_run]["rows"][:3] != world2[1][ddp_run]["rows"][:3]
+    return worst
 
 
 def test_first_step_logs_what_runs_on_rank_0(out_root):
