@@ -28,6 +28,24 @@ def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return rows
 
 
+def _media_documents(valid: torch.Tensor, spans: list[tuple[int, int]]) -> list[tuple[int, int, dict[int, int]]]:
+    """The documents of one row holding image or video tokens, with their counts of each.
+
+    Counted for all documents at once from cumulative sums: a row's padding often restarts positions at every
+    token, so it can hold thousands of one-token "documents", and per-document tensor work would cost seconds.
+    Text-only documents keep their 1-D positions on every axis, as the model gives a row without images.
+    """
+    if not spans:
+        return []
+    bounds = torch.tensor(spans, dtype=torch.long, device=valid.device)  # [docs, 2]
+    counts = {}
+    for kind in (_IMAGE, _VIDEO):
+        csum = torch.nn.functional.pad((valid == kind).long().cumsum(0), (1, 0))
+        counts[kind] = (csum[bounds[:, 1]] - csum[bounds[:, 0]]).tolist()
+    media = [i for i, (n_img, n_vid) in enumerate(zip(counts[_IMAGE], counts[_VIDEO], strict=True)) if n_img or n_vid]
+    return [(*spans[i], {kind: counts[kind][i] for kind in counts}) for i in media]
+
+
 def take_grids(grids: torch.Tensor, first: int, tokens: int, merge: int) -> int:
     """The index after the grids, from `first` on, whose placeholder tokens add up to `tokens`.
 
@@ -78,15 +96,10 @@ def document_rope_positions(
         return out
     ids, mask, seconds = batch["input_ids"], batch.get("attention_mask"), batch.get("second_per_grid_ts")
     merge = model.config.vision_config.spatial_merge_size
+    valid = types if mask is None else types.masked_fill(mask == 0, 0)
     used = {_IMAGE: 0, _VIDEO: 0}
     for b, spans in enumerate(document_spans(position_ids)):
-        for start, end in spans:
-            doc_types = types[b, start:end]
-            doc_mask = None if mask is None else mask[b, start:end]
-            valid = doc_types if doc_mask is None else doc_types.masked_fill(doc_mask == 0, 0)
-            counts = {kind: int((valid == kind).sum()) for kind in used}
-            if not any(counts.values()):
-                continue  # text only: its 1-D positions on every axis, as the model gives a row without images
+        for start, end, counts in _media_documents(valid[b], spans):
             doc: dict[str, Any] = {}
             for kind, key in ((_IMAGE, "image_grid_thw"), (_VIDEO, "video_grid_thw")):
                 if counts[kind]:
@@ -97,8 +110,8 @@ def document_rope_positions(
                     used[kind] = last
             rope, _ = model.get_rope_index(
                 input_ids=ids[b : b + 1, start:end],
-                mm_token_type_ids=doc_types[None],
-                attention_mask=None if doc_mask is None else doc_mask[None],
+                mm_token_type_ids=types[b : b + 1, start:end],
+                attention_mask=None if mask is None else mask[b : b + 1, start:end],
                 **doc,
             )
             out[1:, b, start:end] = rope[:, 0].to(out.device) + position_ids[b, start]

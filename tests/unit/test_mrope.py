@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.multimodal.mrope import document_rope_positions, document_spans
+from hf_longctx.multimodal.mrope import _media_documents, document_rope_positions, document_spans
 from tests.dist import _vlm as V
 from tests.dist import _vlm_packed as P
 
@@ -79,6 +79,15 @@ def test_without_token_types_or_grids_every_axis_is_the_1d_position(model):
 def test_document_spans():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
     assert document_spans(pos) == [[(0, 3), (3, 5), (5, 6)], [(0, 6)]]
+
+
+def test_only_documents_with_images_or_videos_are_visited():
+    """Padding that restarts positions at every token is thousands of one-token documents: they are counted at
+    once and skipped, and the media documents come with their image / video token counts."""
+    valid = torch.tensor([0, 1, 1, 0, 2, 2, 2, 0] + [0] * 5000)
+    spans = [(0, 3), (3, 4), (4, 8)] + [(8 + i, 9 + i) for i in range(5000)]
+    assert _media_documents(valid, spans) == [(0, 3, {1: 2, 2: 0}), (4, 8, {1: 0, 2: 3})]
+    assert _media_documents(valid[:0], []) == []
 
 
 @pytest.mark.parametrize("case", CASES)
