@@ -184,7 +184,12 @@ def group_sum(x: torch.Tensor, group: dist.ProcessGroup | None, grad_scale: floa
 class _GatherRows(torch.autograd.Function):
     """Forward: each tensor's rows from every rank, concatenated in rank order (ranks may hold different
     numbers of rows). Backward: the adjoint, a reduce-scatter: every rank used the whole gathered tensor,
-    so the gradient of this rank's rows is the sum over the group of the gradients of those rows."""
+    so the gradient of this rank's rows is the sum over the group of the gradients of those rows.
+
+    Outputs no rank used (a vision tower's pre-merge hidden state beside the merged features) get no zero-filled
+    gradient and no reduce-scatter: gradients are not materialised, and one all-reduce of a flag per output tells
+    the ranks which outputs any of them used (one rank's unused output still joins the others' reduce-scatter).
+    """
 
     @staticmethod
     def forward(ctx, group: dist.ProcessGroup, check: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -196,6 +201,7 @@ class _GatherRows(torch.autograd.Function):
                 f"all_gather_rows: the ranks of the group disagree on the input ({counts[:, 0].tolist()})."
             )
         ctx.group, ctx.rank, ctx.counts, ctx.stats = group, rank, counts[:, 1:], active_recorder()
+        ctx.set_materialize_grads(False)
         outs = []
         for i, x in enumerate(xs):
             rows = counts[:, i + 1].tolist()
@@ -206,12 +212,20 @@ class _GatherRows(torch.autograd.Function):
             padded[: x.shape[0]] = x.detach()
             blocks = all_gather_stacked(padded, group)  # [ws, max rows, ...]
             outs.append(torch.cat([blocks[r, : rows[r]] for r in range(ws)]))
+        ctx.shapes = [(out.shape, out.dtype, out.device) for out in outs]
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        out = []
+    def backward(ctx, *grads: torch.Tensor | None):
+        used = all_reduce_max(torch.tensor([g is not None for g in grads], dtype=torch.int32), ctx.group).tolist()
+        out: list[torch.Tensor | None] = []
         for i, grad in enumerate(grads):
+            if not used[i]:
+                out.append(None)
+                continue
+            if grad is None:  # another rank used this output: join its reduce-scatter with zeros
+                shape, dtype, device = ctx.shapes[i]
+                grad = torch.zeros(shape, dtype=dtype, device=device)
             rows = ctx.counts[:, i].tolist()
             if min(rows) == max(rows):
                 padded = grad.reshape(len(rows), rows[0], *grad.shape[1:])  # [ws, rows, ...]
