@@ -4,6 +4,8 @@
   `DataCollatorForLanguageModeling(padding_free=True)` does it (one row, `position_ids` restarting per document,
   no `attention_mask`, the first label of each document -100). TRL 1.16 itself refuses packing and padding_free
   for vision datasets, so this collator stands in for it.
+- `sft_images_worker`: TRL's SFTTrainer on the same rows, given processed (`skip_prepare_dataset`) with that
+  collator: the route TRL 1.16 leaves for packed image rows.
 - `sft_worker`: TRL's SFTTrainer on a Qwen VLM and its processor with a text-only dataset and
   `SFTConfig(packing=True)` (BFD packing, padding-free), which TRL 1.16 does accept for a VLM.
 
@@ -112,3 +114,23 @@ def sft_worker(rank: int, world_size: int, out_dir: str, arch: str, doc_exact: b
     args = SFTConfig(output_dir=out_dir, packing=True, max_length=64, bf16=False, parallelism_config=parallelism,
                      **_ARGS)  # fmt: skip
     return _train(SFTTrainer, model, args, train_dataset=_text_dataset(), processing_class=S.processor(arch))
+
+
+def sft_images_worker(rank: int, world_size: int, out_dir: str, arch: str, doc_exact: bool) -> dict:
+    """TRL's SFTTrainer on padding-free rows of `DOCS` (with images) at SP=world_size: the route TRL 1.16 leaves
+    for packed image rows, a dataset already processed (`skip_prepare_dataset`) and a packing collator."""
+    from trl import SFTConfig, SFTTrainer
+
+    torch.set_num_threads(1)
+    model, parallelism = _model(arch, world_size, doc_exact)
+    args = SFTConfig(output_dir=out_dir, bf16=False, parallelism_config=parallelism, remove_unused_columns=False,
+                     dataset_kwargs={"skip_prepare_dataset": True}, **_ARGS)  # fmt: skip
+    # TRL wants a `datasets.Dataset`: the examples are indices into `DOCS`.
+    from datasets import Dataset
+
+    def collate(features: list[dict]) -> dict[str, torch.Tensor]:
+        return padding_free([{"doc": DOCS[f["index"]]} for f in features])
+
+    indices = Dataset.from_list([{"index": i} for i in range(len(DOCS))])
+    return _train(SFTTrainer, model, args, train_dataset=indices, data_collator=collate,
+                  processing_class=S.processor(arch))  # fmt: skip

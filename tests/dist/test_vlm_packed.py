@@ -102,6 +102,15 @@ def test_padding_free_trainer_steps_match(arch, tmp_path, record_property):
     record_property("max_rel_diff", worst)
 
 
+def test_sft_trainer_on_padding_free_image_rows_steps_match(tmp_path, record_property):
+    """TRL's SFTTrainer on padding-free rows of documents with images, images straddling the SP shards
+    (processed rows with `skip_prepare_dataset` and a packing collator: TRL 1.16 refuses `packing` and
+    `padding_free` for vision datasets). Qwen3-VL, with DeepStack."""
+    worst, ref = _steps_match(T.sft_images_worker, tmp_path, "qwen3_vl")
+    assert any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in ref["first_grads"].items())
+    record_property("max_rel_diff", worst)
+
+
 @pytest.mark.parametrize("arch", V.ARCHS)
 def test_packed_sft_trainer_steps_match(arch, tmp_path, record_property):
     """TRL's SFTTrainer with packing=True on a VLM (text documents: TRL 1.16 refuses packing for images)."""
