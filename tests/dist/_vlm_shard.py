@@ -18,10 +18,23 @@ INTERNVL_TOKENS = 4
 
 
 def build(arch: str) -> torch.nn.Module:
-    """`_vlm.build(arch)`, plus a tiny InternVL (InternViT tower, Qwen2 decoder)."""
+    """`_vlm.build(arch)`, plus a tiny InternVL (InternViT tower, Qwen2 decoder) and a LLaVA with a Pixtral tower
+    (Mistral decoder), whose tower joins all images' patches into one sequence: it runs whole on every rank."""
+    import transformers
+
+    if arch == "pixtral":
+        vision = transformers.PixtralVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+            patch_size=2, head_dim=16,
+        )  # fmt: skip
+        config = transformers.LlavaConfig(
+            text_config=transformers.MistralConfig(**V._TEXT), vision_config=vision, image_token_id=V.IMAGE,
+            vision_feature_layer=-1, vision_feature_select_strategy="full",
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.LlavaForConditionalGeneration._from_config(config, attn_implementation="sdpa")
     if arch != "internvl":
         return V.build(arch)
-    import transformers
 
     vision = transformers.InternVLVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[8, 8],
@@ -92,10 +105,28 @@ def _internvl_cases() -> dict[str, dict[str, torch.Tensor]]:
     }  # fmt: skip
 
 
+def _pixtral_cases() -> dict[str, dict[str, torch.Tensor]]:
+    """Two images of different sizes (8 x 8 and 4 x 8 pixels: 16 and 8 tokens, `image_sizes`), the first across
+    the SP=2 boundary (27) of a 53-token row, next to a padded text-only row."""
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 140, (2, 53), generator=gen)
+    ids[0, 20:36], ids[0, 40:48] = V.IMAGE, V.IMAGE
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100).masked_fill(ids == V.IMAGE, -100)
+    pixels = torch.randn(2, 3, 8, 8, generator=gen)
+    pixels[1, :, 4:] = 0  # the smaller image, padded as the processor pads it
+    return {"two_sizes": {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels,
+                          "image_sizes": torch.tensor([[8, 8], [4, 8]])}}  # fmt: skip
+
+
 def cases(arch: str) -> dict[str, dict[str, torch.Tensor]]:
     """Per arch: rows whose items (frames, images) straddle shards, and fewer items than SP ranks."""
     if arch == "internvl":
         return _internvl_cases()
+    if arch == "pixtral":
+        return _pixtral_cases()
     return {
         "video_and_image": _video_batch(arch, frames=6, image=True),  # 7 items over the shards of a 61-token row
         "one_image": V.batch([V.row(37, [(20, (4, 4))], seed=6)], 37),  # 1 item: ranks without one

@@ -1,10 +1,12 @@
 """The vision tower sharded over the SP group (`hf_longctx/multimodal/vision_shard.py`) is exact, and sharded.
 
-Qwen2.5-VL, Qwen3-VL (DeepStack) and InternVL at SP=2 and SP=4 against the plain model on the whole batch:
-the loss and every parameter's gradient, the vision tower's included; a video whose frames and an image
-straddle the shards, fewer images than ranks (ranks that encode a stand-in), a text-only row next to
-images, a frozen tower, and FSDP2 with the tower's blocks as their own units. Every case also checks the
-pixel rows each rank's tower received: together the input once, each rank well under all of it.
+Qwen2.5-VL, Qwen3-VL (DeepStack) and InternVL (cut by frame or image), and LLaVA with a Pixtral tower (not
+cut: it joins all images into one sequence, so it runs whole on every rank), at SP=2 and SP=4 against the plain
+model on the whole batch: the loss and every parameter's gradient, the vision tower's included; a video whose
+frames and an image straddle the shards, fewer images than ranks (ranks that encode a stand-in), a text-only
+row next to images, a frozen tower, and FSDP2 with the tower's blocks as their own units. Every case also
+checks the pixel rows each rank's tower received: together the input once, each rank well under all of it
+(Pixtral: all of it on every rank).
 """
 
 from __future__ import annotations
@@ -22,18 +24,22 @@ QWEN = ("qwen2_5_vl", "qwen3_vl")
 def _runs(world_size: int) -> list[tuple[str, str, str, bool]]:
     backends = ("ulysses", "auto")
     runs = [(arch, b, name, False) for arch in (*QWEN, "internvl") for b in backends for name in S.cases(arch)]
-    return runs + [(arch, "ulysses", "video_and_image", True) for arch in QWEN]
+    runs += [(arch, "ulysses", "video_and_image", True) for arch in QWEN]
+    return runs + [("pixtral", b, "two_sizes", False) for b in backends]
 
 
-def _check_rows(batch: dict, every: list[list[int]]) -> None:
+def _check_rows(batch: dict, every: list[list[int]], whole: bool) -> None:
     """Every rank ran each tower call; a call with at least one item per rank is split, each item encoded once
-    (with fewer items, ranks without one encode a stand-in item)."""
+    (with fewer items, ranks without one encode a stand-in item); a tower that is not cut (`whole`) got the whole
+    input on every rank."""
     calls = list(zip(*every, strict=True))  # per tower call, every rank's rows
     expected = S.tower_calls(batch)
     assert len(calls) == len(expected) and all(min(call) > 0 for call in calls), every
     for call, (total, items) in zip(calls, expected, strict=True):
         assert sum(call) >= total, every
-        if items >= len(every):
+        if whole:
+            assert set(call) == {total}, every
+        elif items >= len(every):
             assert sum(call) == total and max(call) < total, every
 
 
@@ -71,7 +77,7 @@ def test_sharded_tower_matches_single_process(world_size, record_property):
         if (arch, name, frozen) not in refs:
             refs[(arch, name, frozen)] = S.reference(arch, batch, frozen)
         worst["/".join(map(str, key))] = _compare(key, loss, grads, *refs[(arch, name, frozen)])
-        _check_rows(batch, every)
+        _check_rows(batch, every, whole=arch == "pixtral")
     record_property("max_grad_rel", worst)
 
 
