@@ -92,6 +92,12 @@ def _videos(arch: str) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Te
     """One padding-free row: an image, a 2-frame video (across 24, SP=2), a 3-frame video (across 36 or 45);
     the packed batch and its documents alone."""
     docs = [document(PADDING_FREE[0][0]), video_document(arch, 2, 41, 0.5), video_document(arch, 3, 42, 2.0)]
+    return flatten(docs), docs
+
+
+def flatten(docs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Single-document rows (`document`, `video_document`) as one padding-free row: `position_ids` restart per
+    document, the first label of each and every image / video token -100, the media of all in row order."""
     ids = torch.cat([d["input_ids"] for d in docs], 1)
     pos = torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None]
     labels = ids.masked_fill((ids == V.IMAGE) | (ids == V.VIDEO) | (pos == 0), -100)
@@ -100,7 +106,7 @@ def _videos(arch: str) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Te
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
         if any(key in d for d in docs):
             out[key] = torch.cat([d[key] for d in docs if key in d])
-    return out, docs
+    return out
 
 
 def cases(arch: str) -> dict[str, dict[str, torch.Tensor]]:

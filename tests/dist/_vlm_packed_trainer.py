@@ -4,8 +4,8 @@
   `DataCollatorForLanguageModeling(padding_free=True)` does it (one row, `position_ids` restarting per document,
   no `attention_mask`, the first label of each document -100). TRL 1.16 itself refuses packing and padding_free
   for vision datasets, so this collator stands in for it.
-- `sft_images_worker`: TRL's SFTTrainer on the same rows, given processed (`skip_prepare_dataset`) with that
-  collator: the route TRL 1.16 leaves for packed image rows.
+- `sft_media_worker`: TRL's SFTTrainer on such rows with videos too, given processed (`skip_prepare_dataset`)
+  with a packing collator: the route TRL 1.16 leaves for packed image rows.
 - `sft_worker`: TRL's SFTTrainer on a Qwen VLM and its processor with a text-only dataset and
   `SFTConfig(packing=True)` (BFD packing, padding-free), which TRL 1.16 does accept for a VLM.
 
@@ -116,21 +116,32 @@ def sft_worker(rank: int, world_size: int, out_dir: str, arch: str, doc_exact: b
     return _train(SFTTrainer, model, args, train_dataset=_text_dataset(), processing_class=S.processor(arch))
 
 
-def sft_images_worker(rank: int, world_size: int, out_dir: str, arch: str, doc_exact: bool) -> dict:
-    """TRL's SFTTrainer on padding-free rows of `DOCS` (with images) at SP=world_size: the route TRL 1.16 leaves
-    for packed image rows, a dataset already processed (`skip_prepare_dataset`) and a packing collator."""
+def _media_documents(arch: str) -> list[dict[str, torch.Tensor]]:
+    """The SFT examples: `DOCS` with a 2-frame and a 3-frame video in their place at 1 and 4 (3 steps of 2)."""
+    docs = [P.document(doc) for doc in DOCS]
+    docs[1], docs[4] = P.video_document(arch, 2, 43, 0.5), P.video_document(arch, 3, 44, 2.0)
+    return docs
+
+
+def sft_media_worker(rank: int, world_size: int, out_dir: str, arch: str, doc_exact: bool, backend: str) -> dict:
+    """TRL's SFTTrainer on padding-free rows of images, videos and text at SP=world_size: the route TRL 1.16
+    leaves for packed image rows, a dataset already processed (`skip_prepare_dataset`) and a packing collator."""
+    from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    import hf_longctx
+
     torch.set_num_threads(1)
-    model, parallelism = _model(arch, world_size, doc_exact)
+    model = V.build(arch)
+    parallelism = hf_longctx.ParallelismConfig(sp_size=world_size, sp_backend=backend)
     args = SFTConfig(output_dir=out_dir, bf16=False, parallelism_config=parallelism, remove_unused_columns=False,
                      dataset_kwargs={"skip_prepare_dataset": True}, **_ARGS)  # fmt: skip
-    # TRL wants a `datasets.Dataset`: the examples are indices into `DOCS`.
-    from datasets import Dataset
+    docs = _media_documents(arch)
 
     def collate(features: list[dict]) -> dict[str, torch.Tensor]:
-        return padding_free([{"doc": DOCS[f["index"]]} for f in features])
+        return P.flatten([docs[f["index"]] for f in features])
 
-    indices = Dataset.from_list([{"index": i} for i in range(len(DOCS))])
+    # TRL wants a `datasets.Dataset`: the examples are indices into `docs`.
+    indices = Dataset.from_list([{"index": i} for i in range(len(docs))])
     return _train(SFTTrainer, model, args, train_dataset=indices, data_collator=collate,
                   processing_class=S.processor(arch))  # fmt: skip
