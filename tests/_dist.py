@@ -49,6 +49,7 @@ PRELOAD = [
     "hf_longctx.integrations.trainer",
     "tests._models",
     "tests.dist._trainer_utils",
+    "tests.dist._sft_utils",
 ]
 _CONTEXT: list[Any] = []
 

@@ -10,6 +10,7 @@ import torch
 
 import hf_longctx
 from tests._models import tiny_model
+from tests.dist import _sft_utils as SU
 from tests.dist import _trainer_utils as U
 
 DPO_KEYS = (
@@ -105,7 +106,7 @@ def dpo_config(
         "logging_steps": 1,
         "save_strategy": "no",
         "beta": BETA,
-        "parallelism_config": U._parallelism(sp, sp_options),
+        "parallelism_config": U.parallelism_config(sp, sp_options),
         **_zero3_args(zero),
     }
     return DPOConfig(out_dir, **{**fields, **extra})
@@ -151,7 +152,7 @@ def run_dpo(
         args=args,
         train_dataset=_dataset(data_dir, "train", dpo_rows(16)),
         eval_dataset=_dataset(data_dir, "eval", dpo_rows(6, seed=12)) if evaluate else None,
-        processing_class=U.tiny_tokenizer(),
+        processing_class=SU.tiny_tokenizer(),
         **kwargs,
     )
     lengths: list[int] = []
@@ -174,7 +175,7 @@ def run_dpo(
     attn = model.config._attn_implementation
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     flags = U.memory_flags_active(base)
-    logs = U._logs(trainer, DPO_KEYS)
+    logs = U.logged_steps(trainer, DPO_KEYS)
     patched = sorted(name for name in PATCHED if name in vars(trainer))
     hf_longctx.integrations.trainer.detach(trainer)
     undone = {
@@ -214,7 +215,7 @@ def refused_option_error(out_dir: str, **options: Any) -> str | None:
             ref_model=tiny_model("llama", seed=1),
             args=dpo_config(out_dir, sp=2, steps=1, **options),
             train_dataset=_dataset(os.path.dirname(out_dir), "train", dpo_rows(16)),
-            processing_class=U.tiny_tokenizer(),
+            processing_class=SU.tiny_tokenizer(),
         )
     except NotImplementedError as exc:
         return str(exc)

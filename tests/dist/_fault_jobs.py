@@ -124,7 +124,7 @@ def train_job(
         save_strategy="steps",
         save_steps=save_steps,
         remove_unused_columns=False,
-        parallelism_config=U._parallelism(sp),
+        parallelism_config=U.parallelism_config(sp),
         **extra,
     )
     callbacks: list[Any] = []
@@ -137,7 +137,7 @@ def train_job(
         model=model, args=args, train_dataset=U.dataset("mixed", ROWS), data_collator=collator, callbacks=callbacks
     )
     trainer.train(resume_from_checkpoint=True if resume else None)
-    return {"logs": U._logs(trainer, ("loss", "grad_norm")), **collator.take()}
+    return {"logs": U.logged_steps(trainer, ("loss", "grad_norm")), **collator.take()}
 
 
 _launches: dict[Any, Any] = {}

@@ -12,7 +12,7 @@ import torch
 import hf_longctx
 from hf_longctx.integrations.trl.grpo import grpo_config
 from tests._models import tiny_model
-from tests.dist._trainer_utils import tiny_tokenizer
+from tests.dist._sft_utils import tiny_tokenizer
 
 # (loss_type, importance_sampling_level): luspo needs sequence level, the others run at token level.
 LOSS_TYPES = (

@@ -30,7 +30,7 @@ def resume_job(
     """Continue the SP=2 run from `checkpoint` at `sp` on `world_size` ranks; return logs and rows."""
     trainer, collator = _trainer(out_dir, sp, optim, optim_args)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, checkpoint))
-    return {"logs": U._logs(trainer, ("loss", "grad_norm")), **collator.take()}
+    return {"logs": U.logged_steps(trainer, ("loss", "grad_norm")), **collator.take()}
 
 
 def refusal_job(rank: int, world_size: int, out_dir: str, *, sp: int, optim_args: str | None) -> tuple[str | None, str]:

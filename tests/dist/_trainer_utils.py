@@ -1,5 +1,6 @@
-"""Shared pieces of the `Trainer` / `SFTTrainer` SP tests: tiny datasets, a recording collator, a WordLevel
-tokenizer, and the worker functions that `run_distributed` spawns.
+"""Shared pieces of the `Trainer` SP tests: tiny datasets, a recording collator, `run_trainer` and the worker
+that `run_distributed` spawns. The `SFTTrainer` side is `_sft_utils.py`; the refused configurations
+`_trainer_errors.py`.
 
 One spawn runs several named configurations in a row (spawning and importing transformers costs far more
 than a few steps of a tiny model) and returns, per configuration, the logged metrics plus what only the rank
@@ -115,49 +116,15 @@ class ForwardRecorder:
         return out
 
 
-def tiny_tokenizer():
-    """WordLevel tokenizer over "t0".."t127" (pad t0, unk t1, eos t2): token id i is the word "t{i}"."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1")
-
-
-def sft_dataset(kind: str, n: int, seed: int = 5):
-    """Token-id rows for SFTTrainer (already processed: TRL skips tokenization).
-
-    kind:
-        "plain": `input_ids` only, lengths 8..29.
-        "completion": `input_ids` + `completion_mask` (1 on the completion), lengths 16..29; the completion is
-            the last 2..4 tokens of most rows (valid labels only near the end: the SP shards' label counts
-            differ a lot) and more than half of every fourth row.
-    """
-    import datasets
-
-    gen = torch.Generator().manual_seed(seed)
-    lo, hi = {"plain": (8, 29), "completion": (16, 29)}[kind]
-    rows = []
-    for i in range(n):
-        length = int(torch.randint(lo, hi + 1, (1,), generator=gen))
-        row = {"input_ids": torch.randint(3, VOCAB, (length,), generator=gen).tolist()}
-        if kind == "completion":
-            completion = length // 2 + 2 if i % 4 == 3 else 2 + i % 3
-            row["completion_mask"] = [0] * (length - completion) + [1] * completion
-        rows.append(row)
-    return datasets.Dataset.from_list(rows)
-
-
 # ---- Trainer runs --------------------------------------------------------------------------------
 
 
-def _parallelism(sp: int, options: dict | None = None, flags: dict[str, Any] | None = None):
+def parallelism_config(sp: int, options: dict | None = None, flags: dict[str, Any] | None = None):
     fields = {**(options or {}), **(flags or {})}
     return hf_longctx.ParallelismConfig(sp_size=sp, **fields) if sp > 1 or flags else None
 
 
-def _logs(trainer: Any, keys: tuple[str, ...]) -> list[dict[str, float]]:
+def logged_steps(trainer: Any, keys: tuple[str, ...]) -> list[dict[str, float]]:
     """One dict per logged training step: `step` plus whichever of `keys` were logged."""
     return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in trainer.state.log_history if "loss" in h]
 
@@ -206,12 +173,12 @@ def run_trainer(
     from transformers import Trainer, TrainingArguments
 
     lines = LogLines("hf_longctx.integrations.trainer.first_step")
-    model = _model(model_kind)
+    model = build_model(model_kind)
     forwards = ForwardRecorder(model)
     collator = RecordingCollator()
     args = TrainingArguments(
         output_dir=out_dir,
-        **_engine_args(zero),
+        **engine_args(zero),
         report_to=[],
         disable_tqdm=True,
         seed=1,
@@ -231,7 +198,7 @@ def run_trainer(
         label_smoothing_factor=label_smoothing,
         train_sampling_strategy=sampling,
         gradient_checkpointing=gradient_checkpointing,
-        parallelism_config=_parallelism(sp, sp_options, flags),
+        parallelism_config=parallelism_config(sp, sp_options, flags),
         **(FSDP2_ARGS if fsdp2 else {}),
     )
     trainer_cls = subclass_trainer() if subclass else Trainer
@@ -247,7 +214,7 @@ def run_trainer(
     trainer.train(resume_from_checkpoint=resume_from)
     result = {
         "wrapped": type(trainer.model_wrapped).__name__,
-        "logs": _logs(trainer, ("loss", "grad_norm", "learning_rate", "epoch")),
+        "logs": logged_steps(trainer, ("loss", "grad_norm", "learning_rate", "epoch")),
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         "max_steps": trainer.state.max_steps,
@@ -309,7 +276,7 @@ class Wrapper(torch.nn.Module):
         return self.inner(**kwargs)
 
 
-def _model(kind: str) -> torch.nn.Module:
+def build_model(kind: str) -> torch.nn.Module:
     if kind == "llama":
         return tiny_model("llama")
     from tests._sequence_models import sequence_model
@@ -317,7 +284,7 @@ def _model(kind: str) -> torch.nn.Module:
     return sequence_model(kind)
 
 
-def _engine_args(zero: int | None) -> dict[str, Any]:
+def engine_args(zero: int | None) -> dict[str, Any]:
     from tests.dist._trl_jobs import _zero3_args
 
     return _zero3_args(zero)
@@ -402,69 +369,6 @@ def memory_flags_active(model: torch.nn.Module) -> dict[str, bool]:
     }
 
 
-def trainer_config_errors(out_dir: str) -> dict[str, str | None]:
-    """The ValueError message (None: nothing raised) of each misconfiguration: Trainer construction, then
-    `train()` for the cases only `train()` can see (the Trainer's loss settings)."""
-    from transformers import Trainer, TrainingArguments
-
-    cases = {
-        "no_use_cpu": {"use_cpu": False, "sp": 2},
-        "sp3": {"use_cpu": True, "sp": 3},
-        # 3 query heads cannot be split over 2 ranks: refused when the Trainer first sees the model.
-        "heads3": {"use_cpu": True, "sp": 2, "model": {"num_heads": 3, "num_kv_heads": 1, "hidden": 48}},
-        # A compute_loss_func that may shift labels itself: refused at train().
-        "unmarked_loss": {"use_cpu": True, "sp": 2, "loss": unshifted_loss},
-        # Several ranks but no DDP wrapper (ddp_backend given, use_cpu not): gradients never averaged.
-        "no_engine": {"use_cpu": False, "sp": 2, "ddp_backend": "gloo"},
-        # SP asked, not applied: a wrapper module is trained (accelerate.prepare can switch only the transformers
-        # model), refused at the first step.
-        "wrapper": {"use_cpu": True, "sp": 2, "wrap": True},
-        # SP asked, not applied: an Accelerator made earlier keeps accelerate's shared state (use_configured_state),
-        # the Trainer's accelerator never sees parallelism_config; refused when the Trainer is built. Last: it
-        # changes this process's accelerate state.
-        "configured_state": {"use_cpu": True, "sp": 2, "configured_state": True},
-    }
-    messages: dict[str, str | None] = {}
-    for name, case in cases.items():
-        stage = "init"
-        try:
-            if case.get("configured_state"):
-                from accelerate import Accelerator
-                from accelerate.state import AcceleratorState
-
-                # As in a new process: this Accelerator is the first, no Trainer patch is installed yet.
-                AcceleratorState._reset_state(reset_partial_state=True)
-                hf_longctx.integrations.trainer.remove_trainer_patches()
-                Accelerator(cpu=True)
-            args = TrainingArguments(
-                output_dir=os.path.join(out_dir, name),
-                use_cpu=case["use_cpu"],
-                ddp_backend=case.get("ddp_backend"),
-                accelerator_config={"use_configured_state": bool(case.get("configured_state"))},
-                report_to=[],
-                disable_tqdm=True,
-                max_steps=1,
-                remove_unused_columns=False,
-                parallelism_config=_parallelism(case["sp"]),
-            )
-            model, train = tiny_model("llama", **case.get("model", {})), dataset("mixed", 4)
-            model = Wrapper(model) if case.get("wrap") else model
-            trainer = Trainer(
-                model=model,
-                args=args,
-                train_dataset=train,
-                data_collator=RecordingCollator(),
-                compute_loss_func=case.get("loss"),
-            )
-            stage = "train"
-            trainer.train()
-        except ValueError as exc:
-            messages[name] = f"{stage}: {exc}"
-        else:
-            messages[name] = None
-    return messages
-
-
 def trainer_worker(
     rank: int, world_size: int, out_dir: str, configs: dict[str, dict[str, Any]], errors: bool = False
 ) -> dict[str, Any]:
@@ -479,97 +383,10 @@ def trainer_worker(
             config["resume_from"] = os.path.join(out_dir, config["resume_from"])
         results[name] = run_trainer(os.path.join(out_dir, name), **config)
     if errors:
+        from tests.dist._trainer_errors import trainer_config_errors
+
         results["errors"] = trainer_config_errors(out_dir)
     return results
-
-
-# ---- SFTTrainer runs -----------------------------------------------------------------------------
-
-SFT_KEYS = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens", "entropy", "aux_loss")
-
-
-def run_sft(
-    out_dir: str,
-    *,
-    sp: int = 1,
-    packing: bool = False,
-    doc_exact: bool = False,
-    data: tuple[str, int] = ("plain", 16),
-    completion_only: bool | None = None,
-    eval_data: dict[str, tuple[str, int]] | None = None,
-    steps: int = 4,
-    epochs: float | None = None,
-    sp_options: dict | None = None,
-    flags: dict[str, Any] | None = None,
-    model_kind: str = "llama",
-    zero: int | None = None,
-) -> dict[str, Any]:
-    """Train the tiny llama with TRL's `SFTTrainer` (SGD, no clipping) in this process (one rank).
-
-    `doc_exact` switches the model to hf_longctx attention at SP=1 (one rank, no collectives), which keeps
-    packed documents apart by construction: the packing reference. (transformers 5.24 sdpa also keeps
-    them apart, but only when no attention_mask is passed and no cache exists: `create_causal_mask` detects
-    packing from position_ids only then.)
-    `eval_data` maps a name to an eval set, each evaluated after training. `sp_options`, `flags`, `model_kind`,
-    `zero`: see `run_trainer`.
-    """
-    from trl import SFTConfig, SFTTrainer
-
-    import hf_longctx
-
-    model = _model(model_kind)
-    if doc_exact:
-        hf_longctx.enable_sequence_parallel(model, hf_longctx.SequenceParallelGroups.single())
-    forwards = ForwardRecorder(model)
-    args = SFTConfig(
-        output_dir=out_dir,
-        **_engine_args(zero),
-        report_to=[],
-        disable_tqdm=True,
-        seed=1,
-        bf16=False,
-        per_device_train_batch_size=BATCH,
-        per_device_eval_batch_size=BATCH,
-        max_steps=-1 if epochs is not None else steps,
-        num_train_epochs=epochs if epochs is not None else 1.0,
-        optim="sgd",
-        learning_rate=LR["sgd"],
-        max_grad_norm=0.0,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        packing=packing,
-        max_length=64,
-        completion_only_loss=completion_only,
-        parallelism_config=_parallelism(sp, sp_options, flags),
-    )
-    eval_sets = {name: sft_dataset(kind, n, seed=11) for name, (kind, n) in (eval_data or {}).items()}
-    trainer = SFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=sft_dataset(*data),
-        eval_dataset=eval_sets or None,
-        processing_class=tiny_tokenizer(),
-    )
-    trainer.train()
-    result = {
-        "logs": _logs(trainer, SFT_KEYS),
-        "global_step": trainer.state.global_step,
-        "attn": model.config._attn_implementation,
-        "memory": memory_flags_active(model) if model_kind == "llama" else {},
-        **forwards.take(),
-    }
-    # One evaluate() per set: TRL logs its own eval metrics without the set's name.
-    result["eval"] = {}
-    for name in eval_sets:
-        metrics = trainer.evaluate(eval_dataset=name)
-        result["eval"][name] = {key: metrics[f"eval_{key}"] for key in ("loss", "mean_token_accuracy")}
-    return result
-
-
-def sft_worker(rank: int, world_size: int, out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Run every named `run_sft` configuration in order (each in `out_dir/name`)."""
-    return {name: run_sft(os.path.join(out_dir, name), **config) for name, config in configs.items()}
 
 
 # ---- parent side ---------------------------------------------------------------------------------
@@ -610,16 +427,4 @@ def compare_logs(
             diff = rel_diff(got[key], want[key])
             assert diff <= rtol, f"step {want['step']} {key}: {got[key]!r} vs {want[key]!r} (rel {diff:.2e})"
             worst[key] = max(worst.get(key, 0.0), diff)
-    return worst
-
-
-def assert_sft_runs_match(on: dict, off: dict, rtol: float) -> dict[str, float]:
-    """Two `run_sft` results agree: every logged SFT metric, the token counts and every eval metric;
-    returns the worst relative difference per logged metric."""
-    worst = compare_logs(on["logs"], off["logs"], SFT_KEYS, rtol)
-    assert {"loss", "grad_norm", "mean_token_accuracy", "entropy"} <= set(worst)
-    assert [h["num_tokens"] for h in on["logs"]] == [h["num_tokens"] for h in off["logs"]]
-    for name, metrics in off["eval"].items():
-        for key, value in metrics.items():
-            assert rel_diff(on["eval"][name][key], value) <= rtol, (name, key)
     return worst

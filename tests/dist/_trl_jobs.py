@@ -9,6 +9,7 @@ import torch
 
 import hf_longctx
 from tests._models import tiny_model
+from tests.dist import _sft_utils as SU
 from tests.dist import _trainer_utils as U
 
 
@@ -41,7 +42,7 @@ def refused_trainer_errors(out_dir: str) -> dict[str, str | None]:
             model=tiny_model("llama"),
             args=KTOConfig(d, parallelism_config=pc, **common),
             train_dataset=unpaired,
-            processing_class=U.tiny_tokenizer(),
+            processing_class=SU.tiny_tokenizer(),
         ),
     }
     messages: dict[str, str | None] = {}
@@ -142,7 +143,7 @@ def run_lora(
         "save_strategy": "steps" if save_steps else "no",
         "save_steps": save_steps or 500,
         "gradient_checkpointing": gradient_checkpointing,
-        "parallelism_config": U._parallelism(sp, sp_options, flags),
+        "parallelism_config": U.parallelism_config(sp, sp_options, flags),
         **_zero3_args(zero),
     }
     if trainer == "trainer":
@@ -155,7 +156,7 @@ def run_lora(
         if peft_config:
             extra = {"model": tiny_model("llama", **(shape or {})), "peft_config": lora_config()}
         run = SFTTrainer(
-            args=args, train_dataset=U.sft_dataset("completion", 16), processing_class=U.tiny_tokenizer(), **extra
+            args=args, train_dataset=SU.sft_dataset("completion", 16), processing_class=SU.tiny_tokenizer(), **extra
         )
     run.train(resume_from_checkpoint=resume_from)
     model = run.accelerator.unwrap_model(run.model)
@@ -169,7 +170,7 @@ def run_lora(
                 with deepspeed.zero.GatheredParameters([param]):
                     weights[name] = param.detach().float().clone()
     return {
-        "logs": U._logs(run, LORA_KEYS),
+        "logs": U.logged_steps(run, LORA_KEYS),
         "trainable": sorted(weights),
         "weights": weights,
         "attn": model.config._attn_implementation,
@@ -255,18 +256,19 @@ def run_reward(
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="no",
-        parallelism_config=U._parallelism(sp, sp_options),
+        parallelism_config=U.parallelism_config(sp, sp_options),
     )
     trainer = RewardTrainer(
         model=reward_model(peft),
         args=args,
         train_dataset=datasets.Dataset.from_list(reward_rows(16)),
-        processing_class=U.tiny_tokenizer(),
+        processing_class=SU.tiny_tokenizer(),
     )
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    result = {"logs": U._logs(trainer, REWARD_KEYS), "weights": weights, "attn": model.config._attn_implementation}
+    attn = model.config._attn_implementation
+    result = {"logs": U.logged_steps(trainer, REWARD_KEYS), "weights": weights, "attn": attn}
     if eval_rows:
         metrics = trainer.evaluate(datasets.Dataset.from_list(reward_rows(eval_rows, seed=13)))
         result["eval"] = {k.removeprefix("eval_"): v for k, v in metrics.items() if k.startswith("eval_")}

@@ -270,7 +270,7 @@ def masked_window_job(rank: int, world_size: int, out_dir: str) -> list[dict]:
     model = tiny_model("llama")
     trainer = Trainer(model=model, args=args, train_dataset=_window_rows(sp > 1), data_collator=U.RecordingCollator())
     trainer.train()
-    return U._logs(trainer, ("loss", "grad_norm"))
+    return U.logged_steps(trainer, ("loss", "grad_norm"))
 
 
 def test_window_without_labels_gives_zero_loss_and_gradients(tmp_path, record_property):

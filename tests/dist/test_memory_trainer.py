@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.dist import _sft_utils as SU
 from tests.dist import _trainer_utils as U
 
 RTOL = 1e-5
@@ -25,7 +26,7 @@ def memory_worker(rank: int, world_size: int, out_dir: str) -> dict:
     runs = {}
     for name, flags in (("off", None), ("on", ALL)):
         runs[("trainer", name)] = U.run_trainer(os.path.join(out_dir, f"t_{name}"), sp=sp, flags=flags, **TRAINER)
-        runs[("sft", name)] = U.run_sft(os.path.join(out_dir, f"s_{name}"), sp=sp, flags=flags, steps=3, **SFT)
+        runs[("sft", name)] = SU.run_sft(os.path.join(out_dir, f"s_{name}"), sp=sp, flags=flags, steps=3, **SFT)
     return runs
 
 
@@ -67,5 +68,5 @@ def test_sft_trainer_with_flags_matches_without(world_size, out_root, record_pro
     for rank_runs in _runs(world_size, out_root):
         on, off = rank_runs[("sft", "on")], rank_runs[("sft", "off")]
         assert all(on["memory"].values()) and not any(off["memory"].values())
-        worst = U.assert_sft_runs_match(on, off, RTOL)
+        worst = SU.assert_sft_runs_match(on, off, RTOL)
         record_property(f"sft_max_rel_diff_sp{world_size}", worst)

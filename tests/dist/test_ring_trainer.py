@@ -14,6 +14,7 @@ import os
 import pytest
 
 from tests._dist import run_distributed
+from tests.dist import _sft_utils as SU
 from tests.dist import _trainer_utils as U
 from tests.dist import test_deepspeed as D
 from tests.dist import test_sft as S
@@ -39,7 +40,7 @@ def ring_trainer_worker(rank: int, world_size: int, out: str, options: dict, tra
             config["resume_from"] = os.path.join(out, config["resume_from"])
         results[name] = U.run_trainer(os.path.join(out, name), **config)
     for name, config in sft.items():
-        results[f"sft_{name}"] = U.run_sft(
+        results[f"sft_{name}"] = SU.run_sft(
             os.path.join(out, f"sft_{name}"), **config, sp=world_size, sp_options=options
         )
     return results
@@ -53,7 +54,7 @@ def out_root(tmp_path_factory: pytest.TempPathFactory):
 def _references(out_root) -> tuple[dict, dict]:
     trainer = U.spawn_once(("trainer", 1), U.trainer_worker, 1, str(out_root / "ref"), T.CONFIGS, False, timeout=300)
     sft_configs = {name: ref for name, (ref, _) in S.CONFIGS.items()}
-    sft = U.spawn_once(("sft", 1), U.sft_worker, 1, str(out_root / "sft_ref"), sft_configs, timeout=300)
+    sft = U.spawn_once(("sft", 1), SU.sft_worker, 1, str(out_root / "sft_ref"), sft_configs, timeout=300)
     return trainer[0], sft[0]
 
 

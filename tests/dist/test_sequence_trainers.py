@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.dist import _sft_utils as SU
 from tests.dist import _trainer_utils as U
 
 RTOL = 1e-5
@@ -71,7 +72,7 @@ def _neftune(out_dir: str, sp: int) -> list[float]:
         save_strategy="no",
         remove_unused_columns=False,
         neftune_noise_alpha=NEFTUNE_ALPHA,
-        parallelism_config=U._parallelism(sp),
+        parallelism_config=U.parallelism_config(sp),
     )
     Trainer(model=model, args=args, train_dataset=U.dataset("mixed", 12), data_collator=collator).train()
     return ratios
@@ -82,7 +83,7 @@ def _worker(rank: int, world_size: int, out_dir: str, plan: dict[str, Any]) -> d
     for name, config in plan.get("trainer", {}).items():
         results[f"trainer/{name}"] = U.run_trainer(os.path.join(out_dir, "trainer", name), **config)
     for name, config in plan.get("sft", {}).items():
-        results[f"sft/{name}"] = U.run_sft(os.path.join(out_dir, "sft", name), **config)
+        results[f"sft/{name}"] = SU.run_sft(os.path.join(out_dir, "sft", name), **config)
     if plan.get("neftune"):
         results["neftune"] = _neftune(os.path.join(out_dir, "neftune"), world_size)
     return results
@@ -158,7 +159,7 @@ def test_sft_sp2(name, out_root):
     want = _plan("ref", out_root)[0][f"sft/{name}"]
     assert ("aux_loss" in want["logs"][0]) == name.startswith("moe")
     for rank in _plan("sp2", out_root):
-        _match(rank[f"sft/{name}"], want, U.SFT_KEYS)
+        _match(rank[f"sft/{name}"], want, SU.SFT_KEYS)
 
 
 @pytest.mark.slow
@@ -170,14 +171,14 @@ def test_sp4_and_dp2_x_sp2(out_root):
         for name in DDP:
             _match(rank[f"trainer/dpsp_{name}"], ddp[f"trainer/ddp_{name}"], ("loss", "grad_norm"))
         for name in ("moe", "dynamic_pack"):
-            _match(rank[f"sft/{name}"], ref[f"sft/{name}"], U.SFT_KEYS)
+            _match(rank[f"sft/{name}"], ref[f"sft/{name}"], SU.SFT_KEYS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("plan", "key", "keys"),
     [(f"zero3_{name}", f"trainer/{name}", ("loss", "grad_norm")) for name in ("moe", "dynamic", "temperature")]
-    + [("zero3_sft", "sft/moe", U.SFT_KEYS)],
+    + [("zero3_sft", "sft/moe", SU.SFT_KEYS)],
 )
 def test_zero3_sp2(plan, key, keys, out_root):
     want = _plan("ref", out_root)[0][key]

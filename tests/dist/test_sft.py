@@ -3,7 +3,7 @@
 SP=2 (world 2) against world 1 without SP, per step: loss, grad_norm, mean_token_accuracy, num_tokens (and
 entropy): padded rows, packing (bfd, padding-free; the reference is the per-document computation), completion-
 only loss, eval, an epoch ending on a partial batch. One spawn per world size runs every configuration
-(`_trainer_utils.sft_worker`); the tests read the cached results.
+(`_sft_utils.sft_worker`); the tests read the cached results.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from tests.dist import _sft_utils as SU
 from tests.dist import _trainer_utils as U
 
 RTOL = 1e-5
@@ -19,7 +20,7 @@ SPAWN_TIMEOUT_S = {1: 300, 2: 400}
 KEYS = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens", "entropy")
 EVAL_SETS = {"even": ("plain", 8), "odd": ("plain", 7)}  # 7 rows: the last eval batch is partial
 
-# name -> (world-1 reference config, SP=2 config); see `_trainer_utils.run_sft`.
+# name -> (world-1 reference config, SP=2 config); see `_sft_utils.run_sft`.
 CONFIGS = {
     "nopack": ({"eval_data": EVAL_SETS}, {"eval_data": EVAL_SETS}),
     # The reference keeps packed documents apart by construction (hf_longctx attention at SP=1).
@@ -43,7 +44,7 @@ def _world(world_size: int, out_root) -> list[dict]:
         configs = {name: {**sp, "sp": 2} for name, (_, sp) in CONFIGS.items()}
     return U.spawn_once(
         ("sft", world_size),
-        U.sft_worker,
+        SU.sft_worker,
         world_size,
         str(out_root / f"world{world_size}"),
         configs,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.dist import _sft_utils as SU
 from tests.dist import _trainer_utils as U
 
 RTOL = 1e-5
@@ -31,7 +32,7 @@ def tiled_trainer_worker(rank: int, world_size: int, out_dir: str) -> dict:
         )
         runs[("trainer", name, "calls")] = len(calls)
         calls.clear()
-        runs[("sft", name)] = U.run_sft(os.path.join(out_dir, f"s_{name}"), sp=world_size, flags=flags, steps=2, **SFT)
+        runs[("sft", name)] = SU.run_sft(os.path.join(out_dir, f"s_{name}"), sp=world_size, flags=flags, steps=2, **SFT)
         runs[("sft", name, "calls")] = len(calls)
     return runs
 
@@ -63,5 +64,5 @@ def test_sft_trainer_with_tiled_layer_matches_without(world_size, out_root, reco
     for rank_runs in _runs(world_size, out_root):
         on, off = rank_runs[("sft", "on")], rank_runs[("sft", "off")]
         assert rank_runs[("sft", "off", "calls")] == 0 and rank_runs[("sft", "on", "calls")] > 0
-        worst = U.assert_sft_runs_match(on, off, RTOL)
+        worst = SU.assert_sft_runs_match(on, off, RTOL)
         record_property(f"sft_max_rel_diff_sp{world_size}", worst)
