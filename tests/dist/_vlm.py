@@ -205,3 +205,48 @@ def sp_mean(grads: dict[str, torch.Tensor | None], groups) -> dict[str, torch.Te
     flat /= groups.sp_world_size
     parts = dict(zip(present, flat.split([g.numel() for g in present.values()]), strict=True))
     return {k: None if g is None else parts[k].view_as(g) for k, g in grads.items()}
+
+
+def all_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient; zero where it has none (a row without images leaves the vision tower without
+    gradients, in the reference as under SP)."""
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for n, p in model.named_parameters()}  # fmt: skip
+
+
+def cases_worker(rank: int, world_size: int, archs: tuple[str, ...], backends: tuple[str, ...], packed: bool) -> dict:
+    """Each (arch, backend, case) of `cases(arch)` (or the packed `_vlm_packed.cases(arch)`) at SP=world_size:
+    rank 0 returns the SP loss and the gradients averaged over the SP group."""
+    import hf_longctx
+    from tests.dist import _vlm_packed
+
+    torch.set_num_threads(1)
+    groups = hf_longctx.SequenceParallelGroups.build(world_size)
+    out = {}
+    for arch in archs:
+        for backend in backends:
+            for name, batch in (_vlm_packed.cases if packed else cases)(arch).items():
+                model = build(arch)
+                with hf_longctx.enable_sequence_parallel(model, groups, backend):
+                    loss = sp_loss(model, batch, groups)
+                    loss.backward()
+                summed = sp_mean(all_grads(model), groups)
+                if rank == 0:
+                    out[(arch, backend, name)] = (loss.item(), summed)
+    return out
+
+
+def compare_cases(results: dict, refs: dict) -> dict[str, float]:
+    """`cases_worker` results against `refs[(arch, case)] = (loss, grads)`: the loss within LOSS_RTOL and every
+    gradient within GRAD_RTOL; the worst gradient error per (arch, backend, case)."""
+    from tests.dist._parity import GRAD_RTOL, LOSS_RTOL, grad_errors, loss_error
+
+    worst = {}
+    for (arch, backend, name), (loss, grads) in results.items():
+        ref_loss, ref_grads = refs[(arch, name)]
+        assert loss_error(loss, ref_loss) <= LOSS_RTOL, (arch, backend, name, loss, ref_loss)
+        errors = grad_errors(grads, ref_grads)
+        bad = {k: v for k, v in errors.items() if v > GRAD_RTOL}
+        assert not bad, (arch, backend, name, bad)
+        worst[f"{arch}/{backend}/{name}"] = max(errors.values())
+    return worst

@@ -239,12 +239,10 @@ def zero3_worker(rank: int, world_size: int, out_dir: str, arch: str) -> dict:
     tower's included) at SP=world_size on `_vlm.RowDataset`: the logged steps, each tower call's whole input
     and the patch rows this rank's tower encoded of it. Batches with one image leave a rank without one: it
     must still join ZeRO-3's gathers."""
-    import os
-
-    from accelerate import PartialState
     from transformers import Trainer, TrainingArguments
 
     import hf_longctx
+    from tests.dist._trainer_utils import engine_args
 
     torch.set_num_threads(1)
     model = V.build(arch)  # before the ZeRO-3 arguments: built under zero.Init its random init would differ
@@ -252,20 +250,10 @@ def zero3_worker(rank: int, world_size: int, out_dir: str, arch: str) -> dict:
     calls: list[tuple[int, int]] = []  # (patch rows, images) each tower call gets before SP's hook cuts it
     tower(model).register_forward_pre_hook(lambda _m, a, kw: calls.append((a[0].shape[0], len(kw["grid_thw"]))),
                                            with_kwargs=True)  # fmt: skip
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")  # DeepSpeed on CPU needs a gloo state before TrainingArguments
-    ds_config = {
-        "zero_optimization": {"stage": 3},
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-    }
     args = TrainingArguments(
         output_dir=out_dir, report_to=[], disable_tqdm=True, seed=1, per_device_train_batch_size=2, max_steps=3,
         optim="sgd", learning_rate=0.5, max_grad_norm=0.0, lr_scheduler_type="constant", logging_steps=1,
-        save_strategy="no", remove_unused_columns=False, deepspeed=ds_config,
-        accelerator_config={"use_configured_state": True},
+        save_strategy="no", remove_unused_columns=False, **engine_args(3),
         parallelism_config=hf_longctx.ParallelismConfig(sp_size=world_size),
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=V.RowDataset(), data_collator=V.collate)

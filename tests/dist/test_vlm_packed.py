@@ -14,20 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf_longctx
 from hf_longctx.multimodal.mrope import document_rope_positions
 from tests._dist import run_distributed
 from tests.dist import _vlm as V
 from tests.dist import _vlm_packed as P
 from tests.dist import _vlm_packed_trainer as T
-from tests.dist._parity import GRAD_RTOL, LOSS_RTOL, grad_errors, loss_error
+from tests.dist._parity import GRAD_RTOL, grad_errors
 from tests.dist._trainer_utils import compare_logs
 
 BACKENDS = {2: ("ulysses", "ring"), 4: ("ulysses",)}
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _reference(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
@@ -39,40 +34,17 @@ def _reference(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[s
     logits = model(**inputs, position_ids=positions, use_cache=False).logits
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
     loss.backward()
-    return loss.item(), _grads(model)
-
-
-def packed_worker(rank: int, world_size: int, backends: tuple[str, ...]) -> dict:
-    torch.set_num_threads(1)
-    groups = hf_longctx.SequenceParallelGroups.build(world_size)
-    out = {}
-    for arch in V.ARCHS:
-        for backend in backends:
-            for name, batch in P.cases(arch).items():
-                model = V.build(arch)
-                with hf_longctx.enable_sequence_parallel(model, groups, backend):
-                    loss = V.sp_loss(model, batch, groups)
-                    loss.backward()
-                summed = V.sp_mean(_grads(model), groups)
-                if rank == 0:
-                    out[(arch, backend, name)] = (loss.item(), summed)
-    return out
+    return loss.item(), V.all_grads(model)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_packed_vlm_matches_single_process(world_size, record_property):
-    results = run_distributed(packed_worker, world_size, BACKENDS[world_size], timeout=400)[0]
+    results = run_distributed(V.cases_worker, world_size, V.ARCHS, BACKENDS[world_size], True, timeout=400)[0]
     refs = {(arch, name): _reference(arch, batch) for arch in V.ARCHS for name, batch in P.cases(arch).items()}
     assert len(results) == len(V.ARCHS) * len(BACKENDS[world_size]) * len(P.cases(V.ARCHS[0]))
-    worst: dict[str, float] = {}
-    for (arch, backend, name), (loss, grads) in results.items():
-        ref_loss, ref_grads = refs[(arch, name)]
-        assert loss_error(loss, ref_loss) <= LOSS_RTOL, (arch, backend, name, loss, ref_loss)
-        errors = grad_errors(grads, ref_grads)
-        bad = {k: v for k, v in errors.items() if v > GRAD_RTOL}
-        assert not bad, (arch, backend, name, bad)
-        assert any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in ref_grads.items())
-        worst[f"{arch}/{backend}/{name}"] = max(errors.values())
+    worst = V.compare_cases(results, refs)
+    assert all(any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in grads.items())
+               for _, grads in refs.values())  # fmt: skip
     record_property("max_grad_rel", worst)
 
 
