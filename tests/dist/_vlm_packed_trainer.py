@@ -123,9 +123,10 @@ def _media_documents(arch: str) -> list[dict[str, torch.Tensor]]:
     return docs
 
 
-def sft_media_worker(rank: int, world_size: int, out_dir: str, arch: str, doc_exact: bool, backend: str) -> dict:
-    """TRL's SFTTrainer on padding-free rows of images, videos and text at SP=world_size: the route TRL 1.16
-    leaves for packed image rows, a dataset already processed (`skip_prepare_dataset`) and a packing collator."""
+def sft_media_worker(rank: int, world_size: int, out_dir: str, arch: str, backend: str, frozen: bool) -> dict:
+    """TRL's SFTTrainer on padding-free rows of images, videos and text at SP=world_size (sp_size 1 included:
+    hf_longctx keeps the documents apart there too): the route TRL 1.16 leaves for packed image rows, a dataset
+    already processed (`skip_prepare_dataset`) and a packing collator. `frozen`: the vision tower does not train."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -133,6 +134,8 @@ def sft_media_worker(rank: int, world_size: int, out_dir: str, arch: str, doc_ex
 
     torch.set_num_threads(1)
     model = V.build(arch)
+    if frozen:
+        model.model.visual.requires_grad_(False)
     parallelism = hf_longctx.ParallelismConfig(sp_size=world_size, sp_backend=backend)
     args = SFTConfig(output_dir=out_dir, bf16=False, parallelism_config=parallelism, remove_unused_columns=False,
                      dataset_kwargs={"skip_prepare_dataset": True}, **_ARGS)  # fmt: skip

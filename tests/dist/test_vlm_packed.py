@@ -77,21 +77,27 @@ def test_padding_free_trainer_steps_match(arch, tmp_path, record_property):
 def test_sft_trainer_on_padding_free_media_rows_steps_match(tmp_path, record_property):
     """TRL's SFTTrainer on padding-free rows of documents with images, videos (2 and 3 frames) and text only,
     across the SP shards (processed rows with `skip_prepare_dataset` and a packing collator: TRL 1.16 refuses
-    `packing` and `padding_free` for vision datasets): SP=2 with Ulysses and SP=4 with auto against sp_size=1.
-    Qwen3-VL, with DeepStack and its per-frame video spans."""
-    arch, worst = "qwen3_vl", {}
-    ref = run_distributed(T.sft_media_worker, 1, str(tmp_path / "ref"), arch, True, "ulysses", timeout=300)[0]
-    assert len(ref["logs"]) == 3 and min(ref["documents"]) >= 2, ref
-    assert any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in ref["first_grads"].items())
-    for world_size, backend in ((2, "ulysses"), (4, "auto")):
-        runs = run_distributed(T.sft_media_worker, world_size, str(tmp_path / backend), arch, False, backend,
-                               timeout=300)  # fmt: skip
+    `packing` and `padding_free` for vision datasets): SP=2 with Ulysses, SP=4 with auto, and SP=2 with the
+    vision tower frozen, each against sp_size=1. Qwen3-VL, with DeepStack and its per-frame video spans."""
+    arch, worst, refs = "qwen3_vl", {}, {}
+    for frozen in (False, True):
+        ref = run_distributed(T.sft_media_worker, 1, str(tmp_path / f"ref{frozen}"), arch, "ulysses", frozen,
+                              timeout=300)[0]  # fmt: skip
+        assert len(ref["logs"]) == 3 and min(ref["documents"]) >= 2, ref
+        tower = [g for k, g in ref["first_grads"].items() if V.vision_parameter(k)]
+        assert (not tower) if frozen else any(float(g.abs().max()) > 0 for g in tower)
+        refs[frozen] = ref
+    for world_size, backend, frozen in ((2, "ulysses", False), (4, "auto", False), (2, "ulysses", True)):
+        runs = run_distributed(T.sft_media_worker, world_size, str(tmp_path / f"{backend}{frozen}"), arch, backend,
+                               frozen, timeout=300)  # fmt: skip
+        ref = refs[frozen]
         for result in runs:
             assert result["attn"].startswith("hf_longctx_"), result["attn"]
             found = compare_logs(result["logs"], ref["logs"], ("loss", "grad_norm"), 1e-5)
+            assert set(result["first_grads"]) == set(ref["first_grads"])
             errors = grad_errors(result["first_grads"], ref["first_grads"])
             assert max(errors.values()) <= GRAD_RTOL, {k: v for k, v in errors.items() if v > GRAD_RTOL}
-            worst[f"sp{world_size}"] = max(*found.values(), max(errors.values()))
+            worst[f"sp{world_size}{' frozen' if frozen else ''}"] = max(*found.values(), max(errors.values()))
     record_property("max_rel_diff", worst)
 
 
