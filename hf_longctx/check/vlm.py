@@ -230,14 +230,12 @@ def reference_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
 def record_tower_rows(model: torch.nn.Module) -> tuple[list[int], Any]:
     """The pixel rows (patches, or images for LLaVA) each call of the model's vision tower receives, after SP's
     split (register it after enabling SP); returns the list it fills and the hook's handle."""
-    from hf_longctx.multimodal.vision import multimodal_model
+    from hf_longctx.multimodal.vision import multimodal_model, vision_tower
 
-    inner = multimodal_model(model)
-    tower = inner.visual if hasattr(inner, "visual") else inner.vision_tower
     rows: list[int] = []
 
     def record(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         pixels = args[0] if args else next(kwargs[k] for k in ("pixel_values", "hidden_states") if k in kwargs)
         rows.append(int(pixels.shape[0]))
 
-    return rows, tower.register_forward_pre_hook(record, with_kwargs=True)
+    return rows, vision_tower(multimodal_model(model)).register_forward_pre_hook(record, with_kwargs=True)

@@ -54,6 +54,12 @@ def vision_refusal(inner: torch.nn.Module) -> str | None:
     return _REFUSED.get(getattr(getattr(inner, "config", None), "model_type", ""))
 
 
+def vision_tower(inner: torch.nn.Module) -> torch.nn.Module:
+    """The vision tower module of a multimodal model (`multimodal_model`'s result): `visual`, `vision_tower` or
+    `vision_model`."""
+    return next(inner._modules[t] for t in _VISION_TOWERS if t in inner._modules)
+
+
 def multimodal_model(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module that merges image features into the embeddings and calls `language_model`, or None
     for a text-only model."""
@@ -154,8 +160,7 @@ def install_vision_hooks(model: torch.nn.Module, handle: Any) -> list[Callable[[
         inner.register_forward_hook(leave, always_call=True),
         inner.language_model.register_forward_pre_hook(shard, with_kwargs=True),
     ]
-    tower = next(inner._modules[t] for t in _VISION_TOWERS if t in inner._modules)
-    return [h.remove for h in hooks] + shard_vision_tower(tower, groups, lambda: inside[0])
+    return [h.remove for h in hooks] + shard_vision_tower(vision_tower(inner), groups, lambda: inside[0])
 
 
 def _visual_rows(full_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ precomputed whole-call inputs) runs whole on every rank, as before. Only calls i
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,9 +111,7 @@ def _grid_call(
     frames = grid.repeat_interleave(grid[:, 0], dim=0).clone()  # one (1, h, w) row per frame
     frames[:, 0] = 1
     costs = (frames[:, 1] * frames[:, 2]).tolist()
-    offsets = [0]
-    for c in costs:
-        offsets.append(offsets[-1] + c)
+    offsets = [0, *itertools.accumulate(costs)]
     if offsets[-1] != pixels.shape[0]:
         return None  # not one patch row per grid cell: leave the call whole
 

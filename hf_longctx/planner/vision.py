@@ -34,9 +34,7 @@ def vision_tower_bytes(shape: VisionShape, patches: int, run: RunConfig, sharded
     """
     per_rank = ceil_div(patches, run.sp) if sharded and run.sp > 1 else patches
     per_patch = _BLOCK_HIDDEN * shape.hidden + _BLOCK_INTERMEDIATE * shape.intermediate
-    if (
-        run.gradient_checkpointing
-    ):  # transformers checkpoints the tower's blocks too: their inputs, and one block recomputed
+    if run.gradient_checkpointing:  # transformers checkpoints the tower's blocks too: their inputs, one recomputed
         saved = per_rank * (shape.depth * shape.hidden + per_patch) * run.act_bytes
     else:
         saved = per_rank * shape.depth * per_patch * run.act_bytes

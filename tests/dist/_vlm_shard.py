@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hf_longctx.check.vlm import record_tower_rows
 from tests.dist import _vlm as V
 
 INTERNVL_TOKENS = 4
@@ -50,8 +51,9 @@ def build(arch: str) -> torch.nn.Module:
 
 def tower(model: torch.nn.Module) -> torch.nn.Module:
     """The vision tower module."""
-    inner = model.model
-    return inner.visual if hasattr(inner, "visual") else inner.vision_tower
+    from hf_longctx.multimodal.vision import multimodal_model, vision_tower
+
+    return vision_tower(multimodal_model(model))
 
 
 def _video_batch(arch: str, frames: int, image: bool) -> dict[str, torch.Tensor]:
@@ -144,14 +146,6 @@ def tower_calls(batch: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
     return out
 
 
-def _count_rows(module: torch.nn.Module, counts: list[int]) -> None:
-    def record(_module, args, kwargs):
-        pixels = args[0] if args else next(kwargs[k] for k in ("pixel_values", "hidden_states") if k in kwargs)
-        counts.append(pixels.shape[0])
-
-    module.register_forward_pre_hook(record, with_kwargs=True)
-
-
 def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], groups) -> torch.Tensor:
     """The SP loss of one forward (the plain mean cross-entropy without groups)."""
     if groups is None:
@@ -198,9 +192,8 @@ def shard_worker(rank: int, world_size: int, runs: list[tuple[str, str, str, boo
         model = build(arch)
         if frozen:
             tower(model).requires_grad_(False)
-        rows: list[int] = []
         with hf_longctx.enable_sequence_parallel(model, groups, backend):
-            _count_rows(tower(model), rows)
+            rows, _ = record_tower_rows(model)
             loss = loss_of(model, batch, groups)
             loss.backward()
         grads = sp_mean_grads(model, groups)
@@ -222,8 +215,7 @@ def fsdp2_worker(rank: int, world_size: int, arch: str, name: str) -> tuple[floa
     groups = hf_longctx.SequenceParallelGroups.build(world_size)
     model = build(arch)
     hf_longctx.enable_sequence_parallel(model, groups)
-    rows: list[int] = []
-    _count_rows(tower(model), rows)
+    rows, _ = record_tower_rows(model)
     mesh = init_device_mesh("cpu", (world_size,))
     for block in tower(model).blocks:
         fully_shard(block, mesh=mesh)

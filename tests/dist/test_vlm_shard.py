@@ -132,9 +132,8 @@ def test_single_process_tower_unchanged():
 
     model = S.build("qwen3_vl")
     batch = S.cases("qwen3_vl")["video_and_image"]
-    rows: list[int] = []
     with hf_longctx.enable_sequence_parallel(model, hf_longctx.SequenceParallelGroups.single()):
-        S._count_rows(S.tower(model), rows)
+        rows, _ = S.record_tower_rows(model)
         with torch.no_grad():
             model(**{k: v for k, v in batch.items() if k != "labels"})
     assert sorted(rows) == sorted([16, 96])
