@@ -44,7 +44,7 @@ from hf_longctx.distributed.comm import all_gather_sequence
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.distributed.ring_comm import ring_of
 from hf_longctx.multimodal.vision import install_vision_hooks
-from hf_longctx.sequence import SequenceOps, ShardView
+from hf_longctx.sequence import SequenceOps, ShardView, label_kind
 from hf_longctx.sequence.refusals import check_sequence_ops
 from hf_longctx.sequence.temperature import globally_scaled_query, scales_query_by_index
 
@@ -157,10 +157,10 @@ class SequenceParallelHandle:
                 "hf_longctx.attention.linear.support.ADAPTERS; train this model with sp_size=1."
             )
 
-    def _finish_sequence(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        # Forward hook (always called, `output` None after an exception): the router loss is completed here.
-        if self.sequence is not None:
-            self.sequence.finish(output)
+    def _finish_sequence(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        # Forward hook (always called, `output` None after an exception): the router loss and a token-classification
+        # or QA head's loss are completed here; a returned output replaces the model's.
+        return None if self.sequence is None else self.sequence.finish(output)
 
     def _context_of(self, kwargs: dict[str, Any]) -> SequenceContext | None:
         # The forward's context, from the layer's kwargs (replayed by activation checkpointing) or the handle;
@@ -298,7 +298,7 @@ def enable_sequence_parallel(
     config = _attention_config(model)
     kernel_name = config._attn_implementation or "eager"
     family = kernel_family(kernel_name)
-    groups.layout_slot.claim(sp.layout)  # raises before anything else is changed
+    groups.layout_slot.claim(sp.layout, label_kind(model))  # raises before anything else is changed
     try:
         ring_attention_kwargs = _ring_kwargs(sp, groups)
     except Exception:

@@ -22,7 +22,8 @@ class SequenceShardingCollator:
     """`collate_fn(features)` then keep rank `sp_rank`'s slice of every sequence tensor.
 
     The shard carries `labels` = `shift_labels` (pre-shifted on the full sequence; HF losses and
-    TRL use `shift_labels` as-is and Trainer counts them), an `attention_mask` that is 0 on the
+    TRL use `shift_labels` as-is and Trainer counts them; a token-classification model's per-token
+    `labels` are sliced as they are instead), an `attention_mask` that is 0 on the
     padding added for the SP size, the full batch's signature for the cross-rank check, and this
     rank's slice of the unshifted labels (what evaluation returns as `label_ids`). The token layout
     is read from `layout` (the groups' `layout_slot`) at every call: the Trainer builds its
@@ -56,7 +57,12 @@ class SequenceShardingCollator:
             batch[ORIGINAL_LABELS_KEY] = batch["labels"]  # sliced like every sequence tensor
         kind = self.layout.kind
         shard = shard_batch_for_rank(
-            batch, self.sp_rank, self.sp_world_size, pad_token_id=self.pad_token_id, layout=kind
+            batch,
+            self.sp_rank,
+            self.sp_world_size,
+            pad_token_id=self.pad_token_id,
+            layout=kind,
+            labels=self.layout.labels,
         )
         if "shift_labels" in shard:
             shard["labels"] = shard["shift_labels"]

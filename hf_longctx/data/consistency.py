@@ -140,7 +140,8 @@ def shard_batch(
 
     Returns:
         The local shard: `input_ids`, `position_ids` (global), `shift_labels` (when labels were
-        given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed. The
+        given) and every other sequence tensor sliced to `sl_padded / sp`; `labels` removed (kept, sliced, when
+        the enabled model labels each token itself: `groups.layout_slot.labels == "per_token"`). The
         token layout is the one the backend enabled on `groups` expects (`groups.layout`:
         contiguous for Ulysses, zigzag for ring/hybrid), named under `LAYOUT_KEY` when SP is on,
         with the full batch's signature under `SIGNATURE_KEY` (the model's pre-hook pops both).
@@ -151,8 +152,10 @@ def shard_batch(
     signature = batch_signature(batch)
     if check:
         check_batch_consistency(batch, groups, signature)
-    layout = groups.layout
-    shard = shard_batch_for_rank(batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id, layout=layout)
+    layout, labels = groups.layout, groups.layout_slot.labels
+    shard = shard_batch_for_rank(
+        batch, groups.sp_rank, groups.sp_world_size, pad_token_id=pad_token_id, layout=layout, labels=labels
+    )
     if groups.sp_enabled:
         shard[LAYOUT_KEY] = layout
         shard[SIGNATURE_KEY] = signature  # the model's pre-hook checks it and reads the row length before padding

@@ -153,7 +153,7 @@ def _batch_shape(batch: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def prepare_global_batch(
-    batch: Mapping[str, Any], multiple: int, *, pad_token_id: int = 0
+    batch: Mapping[str, Any], multiple: int, *, pad_token_id: int = 0, labels: str = "next_token"
 ) -> tuple[dict[str, Any], list[str]]:
     """Build `position_ids` and `shift_labels` on the full sequence, then pad it to `multiple`.
 
@@ -162,10 +162,12 @@ def prepare_global_batch(
             `attention_mask`, `position_ids`, padding-free `cu_seq_lens_*` and other tensors).
         multiple: the sequence length is padded up to a multiple of this.
         pad_token_id: value used to pad `input_ids`.
+        labels: "next_token" (`labels` become `shift_labels`, token t trained on t + 1) or "per_token"
+            (token classification: `labels` stay each token's own, padded with `IGNORE_INDEX`).
 
     Returns:
-        The padded batch (without `labels` and padding-free metadata) and the names of its
-        sequence tensors (`[bs, sl, ...]`), which are the ones to slice.
+        The padded batch (without padding-free metadata, and without `labels` for next-token labels) and
+        the names of its sequence tensors (`[bs, sl, ...]`), which are the ones to slice.
 
     Raises:
         ValueError: left padding, a non 2-D attention mask, no `input_ids`/`inputs_embeds`, an empty
@@ -175,20 +177,26 @@ def prepare_global_batch(
         raise ValueError(f"multiple must be >= 1, got {multiple}.")
     bs, sl = _batch_shape(batch)
     check_batch_layout(batch, bs, sl)
-    out = {k: v for k, v in batch.items() if k not in PACKING_METADATA_KEYS and k != "labels"}
+    per_token = labels == "per_token"
+    out = {k: v for k, v in batch.items() if k not in PACKING_METADATA_KEYS and (per_token or k != "labels")}
     mask = batch.get("attention_mask")
     if mask is not None:
         check_right_padding(mask)
     device = batch["input_ids" if "input_ids" in batch else "inputs_embeds"].device
     pos = document_positions(batch, bs, sl, device)
     out["position_ids"] = pos
-    if batch.get("shift_labels") is None and batch.get("labels") is not None:
+    if per_token and batch.get("shift_labels") is not None:
+        raise ValueError(
+            "This model's head labels every token itself (token classification), but the batch carries "
+            "shift_labels (next-token targets): pass per-token `labels` only."
+        )
+    if not per_token and batch.get("shift_labels") is None and batch.get("labels") is not None:
         out["shift_labels"] = make_shift_labels(batch["labels"], pos.to(batch["labels"].device), mask)
 
     pad = -sl % multiple
     seq_keys = [k for k, v in out.items() if k not in VISION_KEYS and isinstance(v, torch.Tensor) and v.dim() >= 2
                 and v.shape[:2] == (bs, sl)]  # fmt: skip
-    fills = {"input_ids": pad_token_id, "shift_labels": IGNORE_INDEX}
+    fills = {"input_ids": pad_token_id, "shift_labels": IGNORE_INDEX, "labels": IGNORE_INDEX}
     for key in seq_keys:
         if key == "position_ids":
             out[key] = _continue_positions(out[key], pad)
@@ -214,7 +222,13 @@ def shard_tensor(
 
 
 def shard_batch_for_rank(
-    batch: Mapping[str, Any], sp_rank: int, sp_world_size: int, *, pad_token_id: int = 0, layout: str = "contiguous"
+    batch: Mapping[str, Any],
+    sp_rank: int,
+    sp_world_size: int,
+    *,
+    pad_token_id: int = 0,
+    layout: str = "contiguous",
+    labels: str = "next_token",
 ) -> dict[str, Any]:
     """The shard of `batch` kept by `sp_rank` (pure: no collectives).
 
@@ -225,18 +239,21 @@ def shard_batch_for_rank(
         pad_token_id: value used to pad `input_ids`.
         layout: "contiguous" (Ulysses) or "zigzag" (ring/hybrid: padded to 2 x sp_world_size, rank p
             keeps chunks p and 2P-1-p of 2P), see `hf_longctx.data.layout`.
+        labels: "next_token" or "per_token", see `prepare_global_batch`.
 
     Returns:
         A dict with every sequence tensor sliced to `[bs, sl / sp_world_size, ...]` (after padding),
-        global `position_ids`, `shift_labels` when labels were given, `labels` and padding-free
-        metadata removed, and non-sequence entries passed through untouched.
+        global `position_ids`, `shift_labels` when labels were given (next-token labels; per-token `labels`
+        are sliced as they are), padding-free metadata removed, and non-sequence entries passed through
+        untouched.
 
     Raises:
         ValueError: see `prepare_global_batch`; or `sp_rank` out of range.
     """
     if not 0 <= sp_rank < sp_world_size:
         raise ValueError(f"sp_rank={sp_rank} is outside [0, {sp_world_size}).")
-    full, seq_keys = prepare_global_batch(batch, pad_multiple(layout, sp_world_size), pad_token_id=pad_token_id)
+    multiple = pad_multiple(layout, sp_world_size)
+    full, seq_keys = prepare_global_batch(batch, multiple, pad_token_id=pad_token_id, labels=labels)
     for key in seq_keys:
         full[key] = shard_tensor(full[key], sp_rank, sp_world_size, layout=layout)
     return full

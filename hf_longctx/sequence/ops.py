@@ -2,7 +2,8 @@
 
 The SP handle (`attention/registry.py`) creates one per model and calls `begin` from its forward pre-hook (with
 the forward's `ShardView`) and `finish` from a forward hook. It owns the router loss (`router_loss.py`), the
-run-time RoPE patches (`rope.py`) and the NEFTune hook the Trainer integration installs (`neftune.py`); Llama 4's
+run-time RoPE patches (`rope.py`), the loss of token-classification and QA heads (`head_losses.py`) and the NEFTune
+hook the Trainer integration installs (`neftune.py`); Llama 4's
 query temperature is applied by the attention function itself (`temperature.py`). What else a model computes over
 the sequence, and which of it is exact as is, is listed in docs/sequence-ops.md.
 """
@@ -14,6 +15,9 @@ from typing import Any
 import torch
 
 from hf_longctx.distributed.groups import SequenceParallelGroups
+from hf_longctx.sequence.adapter_terms import AdapterTerms
+from hf_longctx.sequence.head_losses import QuestionAnsweringLoss, TokenClassificationLoss
+from hf_longctx.sequence.heads import QUESTION_ANSWERING, TOKEN_CLASSIFICATION, head_of
 from hf_longctx.sequence.neftune import neftune_hook
 from hf_longctx.sequence.rope import patch_runtime_rope
 from hf_longctx.sequence.router_loss import RouterLoss
@@ -39,6 +43,15 @@ def token_weights(kwargs: dict[str, Any], view: ShardView) -> torch.Tensor:
     return weights.reshape(-1)
 
 
+def _head_loss(model: torch.nn.Module, groups: SequenceParallelGroups) -> Any:
+    kind = head_of(model)[0]
+    if kind == TOKEN_CLASSIFICATION:
+        return TokenClassificationLoss(groups)
+    if kind == QUESTION_ANSWERING:
+        return QuestionAnsweringLoss(groups)
+    return None
+
+
 class SequenceOps:
     """Installed on one model with its SP handle, removed with it (`remove`)."""
 
@@ -50,18 +63,31 @@ class SequenceOps:
         self.router = RouterLoss.attach(base)
         # Router logits recorded by a family whose forward adds no router loss (Llama 4, DeepSeek-V3, ...).
         self.loss_free_routers = self.router is None and groups.sp_enabled and bool(router_modules(base))
-        # With one rank the rotary module sees the whole sequence already.
+        # With one rank the rotary module sees the whole sequence already, and the head its whole row.
         self.rope = patch_runtime_rope(base, lambda: self.view, groups) if groups.sp_enabled else []
+        self.head = _head_loss(base, groups) if groups.sp_enabled else None
+        self.adapters = AdapterTerms.attach(model, groups)  # AdaLoRA's regulariser, shared over the group
 
     @property
     def needs_view(self) -> bool:
         """Whether anything installed reads the forward's view (else the pre-hook builds none: under
         `torch.compile` reading the row length is a graph break)."""
-        return self.router is not None or self.loss_free_routers or bool(self.rope) or self.neftune
+        return (
+            self.router is not None
+            or self.loss_free_routers
+            or bool(self.rope)
+            or self.neftune
+            or self.head is not None
+            or self.adapters is not None
+        )
 
     def begin(self, kwargs: dict[str, Any], view: ShardView) -> None:
         """At a forward's start (after the SP input checks): record its view, take over what needs it."""
         self.view = view
+        if self.head is not None:
+            self.head.begin(kwargs, view)
+        if self.adapters is not None:
+            self.adapters.begin()
         if self.router is not None:
             self.router.begin(kwargs, token_weights(kwargs, view))
         elif self.loss_free_routers and kwargs.get("fused_lm_head") and kwargs.get(FLAG):
@@ -72,14 +98,19 @@ class SequenceOps:
                 "(a wrong loss). Set router_aux_loss_coef=0.0 in the trainer's config, or train with sp_size=1."
             )
 
-    def finish(self, output: Any) -> None:
-        """At a forward's end (also after an exception: `output` None)."""
+    def finish(self, output: Any) -> Any:
+        """At a forward's end (also after an exception: `output` None). Returns the output to use instead of the
+        model's (its head's loss taken over the whole row), or None to keep it."""
         self.view = None
+        if self.adapters is not None:
+            self.adapters.finish()
+        replaced = None if self.head is None else self.head.finish(output)
         if self.router is not None:
             if output is None:
                 self.router.abort()
             else:
-                self.router.finish(output, self.groups)
+                self.router.finish(output if replaced is None else replaced, self.groups)
+        return replaced
 
     def neftune_hook(self) -> Any:
         """A NEFTune forward hook for the input embeddings that scales by the whole row's length."""

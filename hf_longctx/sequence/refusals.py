@@ -1,7 +1,8 @@
 """What couples a shard to the rest of the sequence outside attention and cannot be made exact: refused by name.
 
-Found by an audit of transformers 5.25's decoders and PEFT 0.21 (docs/sequence-ops.md lists every computation with
-its state). Each entry would see only this rank's shard under SP and give a wrong loss without any error:
+Found by an audit of transformers 5.25's decoders and PEFT 0.21, re-checked against PEFT 0.22 (docs/sequence-ops.md
+lists every computation with its state). Each entry would see only this rank's shard under SP and give a wrong loss
+without any error:
 
 - Doge: its router reinterprets `[batch, seq, 2K]` scores as `[2, batch * seq, K]` (the scores of one token pair with
   another's, `modeling_doge.py` `DogeCDMoE`), and its attention keeps a top-k of the keys it is given;
@@ -11,7 +12,13 @@ its state). Each entry would see only this rank's shard under SP and give a wron
   are dropped (`PeftModel._adjust_prompt_learning_kwargs`);
 - PEFT Lily: the adapter's expert weights are a mean of router probabilities over all tokens of the batch;
 - PEFT activated LoRA (aLoRA): the adapter applies to the tokens after the invocation sequence, found by searching the
-  `input_ids` the model is given and counted from the end of that row.
+  `input_ids` the model is given and counted from the end of that row;
+- PEFT ShadowPEFT: a shadow network with its own attention beside the model, and an auxiliary loss that shifts the
+  (already shifted) labels again;
+- PEFT X-LoRA: a scaling pass of the whole model inside a forward pre-hook before the real pass.
+
+AdaLoRA's regulariser is made exact instead (`adapter_terms.py`); LLaMA-Adapter (adaption prompt) is exact as is
+(its prompt attention reads each query token alone).
 """
 
 from __future__ import annotations
@@ -26,6 +33,15 @@ MODEL_TYPES = {
 }
 PEFT_TYPES = {
     "LILY": "its adapter weights average router probabilities over every token of the batch",
+    # PEFT 0.22 `ShadowModel`: measured at SP=2, loss +4.6% and gradients 117% off.
+    "SHADOW": (
+        "its shadow network runs its own attention (not through transformers' attention interface) on the "
+        "tokens it is given, and its auxiliary loss shifts the labels it is given a second time"
+    ),
+    "XLORA": (
+        "its forward runs the model twice from a forward pre-hook (a scaling pass, then the pass with the scalings "
+        "it computed), which hf_longctx has not made exact"
+    ),
 }
 
 

@@ -31,6 +31,13 @@ def _peft(config):
     return get_peft_model(tiny_model("llama"), config)
 
 
+def _with_peft_type(model, peft_type: str):
+    from types import SimpleNamespace
+
+    model.peft_config = {"default": SimpleNamespace(peft_type=peft_type, is_prompt_learning=False)}
+    return model
+
+
 def _inkling():
     from transformers.models.inkling import InklingForCausalLM, InklingTextConfig
 
@@ -40,7 +47,7 @@ def _inkling():
 
 
 def _cases():
-    from peft import LilyConfig, LoraConfig, PrefixTuningConfig, PromptTuningConfig
+    from peft import LilyConfig, LoraConfig, PrefixTuningConfig, PromptTuningConfig, ShadowConfig
 
     return {
         "doge": (lambda: _auto("doge"), "router pairs the scores of different tokens"),
@@ -57,6 +64,9 @@ def _cases():
             "activated LoRA",
         ),
         "lily": (lambda: _peft(LilyConfig(r=2, target_modules=["q_proj", "v_proj"])), "LILY.*average router"),
+        "shadow": (lambda: _peft(ShadowConfig(task_type="CAUSAL_LM")), "SHADOW.*own attention.*shifts the labels"),
+        # X-LoRA loads saved LoRA adapters to build; the refusal reads the adapter's type only.
+        "xlora": (lambda: _with_peft_type(tiny_model("llama"), "XLORA"), "XLORA.*runs the model twice"),
         # Query scale and relative bias from a local arange, and short convolutions on k / v (the conv refuses it).
         "inkling": (lambda: _inkling(), "Conv1d over the sequence"),
         "sparse_indexer_layers": (
@@ -67,7 +77,8 @@ def _cases():
 
 
 @pytest.mark.parametrize(
-    "case", ["doge", "prompt_tuning", "prefix_tuning", "alora", "lily", "inkling", "sparse_indexer_layers"]
+    "case",
+    ["doge", "prompt_tuning", "prefix_tuning", "alora", "lily", "shadow", "xlora", "inkling", "sparse_indexer_layers"],
 )
 def test_refused_by_name_under_sp(case):
     build, reason = _cases()[case]

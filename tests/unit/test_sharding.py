@@ -364,3 +364,29 @@ def test_collated_shards_name_their_layout_and_a_mismatch_is_refused_either_way(
         check_shard_layouts([codes["zigzag"], codes["contiguous"]], "zigzag", "ring")
     with pytest.raises(ValueError, match="shard_batch"):
         check_shard_layouts([codes["zigzag"]] * 2, "contiguous", "ulysses")
+
+
+def test_per_token_labels_are_sliced_as_they_are_and_padded_with_ignore_index():
+    """Token classification: each token keeps its own tag (no shift), SP padding carries no label."""
+    labels = torch.tensor([[0, 1, 2, 3, IGNORE_INDEX]])
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": labels}
+    shards = [shard_batch_for_rank(batch, r, 2, labels="per_token") for r in range(2)]
+    assert "shift_labels" not in shards[0]
+    assert shards[0]["labels"].tolist() == [[0, 1, 2]]
+    assert shards[1]["labels"].tolist() == [[3, IGNORE_INDEX, IGNORE_INDEX]]
+    with pytest.raises(ValueError, match="labels every token itself.*shift_labels"):
+        shard_batch_for_rank({**batch, "shift_labels": labels}, 0, 2, labels="per_token")
+
+
+def test_shard_batch_follows_the_label_kind_the_enabled_model_claimed():
+    from hf_longctx.distributed.layout_slot import LayoutSlot
+
+    groups = SequenceParallelGroups.single()
+    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[1, 2, 3]])}
+    assert shard_batch(batch, groups)["shift_labels"].tolist() == [[2, 3, IGNORE_INDEX]]
+    groups.layout_slot.claim("contiguous", "per_token")
+    assert shard_batch(batch, groups)["labels"].tolist() == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="takes per_token labels but this one takes next_token"):
+        groups.layout_slot.claim("contiguous", "next_token")
+    groups.layout_slot.release()
+    assert groups.layout_slot == LayoutSlot()

@@ -116,15 +116,77 @@ def test_per_sequence_trainers_are_supported_through_their_setup(name):
     assert support.REGISTRY[name].supported and support.REGISTRY[name].setup is not None
 
 
-def test_plain_trainer_with_a_sequence_classification_model_is_refused():
-    from types import SimpleNamespace
-
+def _trainer(name: str = "Trainer") -> object:
+    """An unconstructed `transformers.Trainer` subclass instance, judged as `name` (a TRL trainer unless "Trainer")."""
     from transformers import Trainer
 
-    model = type("LlamaForSequenceClassification", (), {})()
-    trainer = type("MyTrainer", (Trainer,), {"__init__": lambda self: None})()
-    trainer.model = model
-    with pytest.raises(NotImplementedError, match="^Trainer with LlamaForSequenceClassification is not supported"):
-        support.check_trainer(trainer, SimpleNamespace())
-    trainer.model = type("LlamaForCausalLM", (), {})()
-    support.check_trainer(trainer, SimpleNamespace())
+    namespace = {"__init__": lambda self: None}
+    if name != "Trainer":
+        namespace["__module__"] = "trl.trainer.fake"
+    return type(name, (Trainer,), namespace)()
+
+
+def _model(cls: type | str) -> object:
+    """An instance of `cls` (or of a stand-in class of that name) with a config, as check_trainer reads it."""
+    cls = type(cls, (), {}) if isinstance(cls, str) else cls
+    model = cls.__new__(cls)
+    model.__dict__["config"] = object()
+    return model
+
+
+@pytest.mark.parametrize(
+    "trainer_name, model_class, refusal",
+    [
+        ("Trainer", "LlamaForCausalLM", None),
+        ("Trainer", "GPT2LMHeadModel", None),
+        ("Trainer", "Qwen2_5_VLForConditionalGeneration", None),
+        ("Trainer", "LlamaForTokenClassification", None),
+        ("Trainer", "Qwen3ForQuestionAnswering", None),
+        ("Trainer", "LlamaForSequenceClassification", "sequence classification pools the last token"),
+        ("Trainer", "LlamaModel", "LlamaModel carries none of them"),
+        ("Trainer", "LlamaForMaskedLM", "LlamaForMaskedLM carries none of them"),
+        ("SFTTrainer", "LlamaForTokenClassification", "token classification model trains under SP with transformers"),
+        ("DPOTrainer", "MistralForQuestionAnswering", "question answering model trains under SP with transformers"),
+    ],
+)
+def test_heads_outside_the_allowlist_are_refused_by_class_name(trainer_name, model_class, refusal):
+    from types import SimpleNamespace
+
+    trainer = _trainer(trainer_name)
+    trainer.model = _model(model_class)
+    if refusal is None:
+        support.check_head(trainer_name, trainer.model, support.Support(True))
+        return
+    with pytest.raises(NotImplementedError, match=f"^{trainer_name} with {model_class} is not supported") as err:
+        support.check_head(trainer_name, trainer.model, support.Support(True))
+    assert refusal in str(err.value)
+    if trainer_name == "Trainer":  # what Trainer.__init__ runs (`_validate_args`)
+        with pytest.raises(NotImplementedError, match=f"^Trainer with {model_class} is not supported"):
+            support.check_trainer(trainer, SimpleNamespace())
+
+
+def test_a_user_subclass_is_judged_by_its_transformers_head():
+    from transformers import LlamaForCausalLM, LlamaForTokenClassification, LlamaModel
+
+    from hf_longctx.sequence import heads
+
+    mine = type("MyTagger", (LlamaForTokenClassification,), {})
+    assert heads.head_of(_model(mine)) == (heads.TOKEN_CLASSIFICATION, "LlamaForTokenClassification")
+    assert heads.head_of(_model(type("Mine", (LlamaForCausalLM,), {})))[0] == heads.CAUSAL_LM
+    assert heads.head_of(_model(LlamaModel)) == (None, "LlamaModel")
+    assert heads.label_kind(_model(mine)) == "per_token"
+    assert heads.label_kind(_model(LlamaForCausalLM)) == "next_token"
+
+
+def test_every_token_classification_and_qa_class_transformers_registers_is_known():
+    """transformers' own auto-class registries decide, so a family added upstream is covered without a change."""
+    from transformers.models.auto import modeling_auto
+
+    from hf_longctx.sequence import heads
+
+    for mapping, kind in (
+        (modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, heads.TOKEN_CLASSIFICATION),
+        (modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES, heads.QUESTION_ANSWERING),
+    ):
+        for name in mapping.values():
+            assert heads.kind_of_class_name(name) == kind, name

@@ -26,6 +26,8 @@ from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.comm import all_gather_sequence, all_reduce_sum
 from hf_longctx.distributed.groups import SequenceParallelGroups
 from hf_longctx.integrations.trainer.metrics import gather_replicated
+from hf_longctx.integrations.trainer.state import _unwrap
+from hf_longctx.sequence.heads import QUESTION_ANSWERING, TOKEN_CLASSIFICATION, head_of
 
 
 @contextlib.contextmanager
@@ -52,6 +54,10 @@ def observe_num_items(trainer: Any) -> Iterator[dict[str, Any]]:
 
 def _loss_share(trainer: Any, groups: SequenceParallelGroups, inputs: dict, loss: torch.Tensor, seen: dict) -> Any:
     """This rank's share of its DP rank's loss: the shares of an SP group sum to the loss without SP."""
+    if head_of(_unwrap(trainer.model))[0] in (TOKEN_CLASSIFICATION, QUESTION_ANSWERING):
+        # hf_longctx took these heads' losses over the whole row (`sequence/head_losses.py`): P x each rank's share
+        # of a token-classification mean (times what Trainer multiplies by), a QA loss whole on every rank.
+        return loss / groups.sp_world_size
     if seen.get("num_items") is not None and trainer.args.average_tokens_across_devices:
         # compute_loss returned world * (shard sum) / (global count): every rank is an equal share.
         return loss / groups.sp_world_size

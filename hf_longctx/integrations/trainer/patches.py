@@ -29,7 +29,8 @@ from hf_longctx.integrations.trainer.evaluation import full_prediction, observe_
 from hf_longctx.integrations.trainer.first_step import check_config_applied, verify_first_step
 from hf_longctx.integrations.trainer.neftune import use_sp_neftune
 from hf_longctx.integrations.trainer.resume import remove_resume_patch, track_layout
-from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
+from hf_longctx.integrations.trainer.state import SequenceParallelState, _unwrap, sp_state
+from hf_longctx.sequence.heads import QUESTION_ANSWERING, TOKEN_CLASSIFICATION, head_of
 
 SHIFTED_LABELS_ATTR = "hf_longctx_takes_shifted_labels"
 _FRAMES_ATTR = "_hf_longctx_prediction_frames"
@@ -69,13 +70,27 @@ def prepare_trainer(trainer: Any, state: SequenceParallelState) -> None:
             "Sequence parallelism needs average_tokens_across_devices=True (the loss is a global token mean)."
         )
     loss_func = trainer.compute_loss_func
+    kind = head_of(_unwrap(trainer.model))[0]
+    whole_row_loss = kind in (TOKEN_CLASSIFICATION, QUESTION_ANSWERING)  # sequence/head_losses.py computes it
+    smoothed = kind == TOKEN_CLASSIFICATION and trainer.label_smoother is not None  # QA has no `labels` to smooth
+    if whole_row_loss and (loss_func is not None or smoothed):
+        raise ValueError(
+            f"Under sequence parallelism hf_longctx computes a {kind} head's loss over the whole row; a "
+            "compute_loss_func or label_smoothing_factor would compute it from each rank's shard instead: remove "
+            "them (or train with sp_size=1)."
+        )
     if loss_func is not None and not getattr(loss_func, SHIFTED_LABELS_ATTR, False):
         raise ValueError(
             "compute_loss_func receives labels that hf_longctx has already shifted on the full sequence (each rank "
             "holds only a slice of it), so a loss function that shifts labels itself would be silently wrong. Make "
             "it use `labels` as given and mark it: compute_loss_func=hf_longctx.takes_shifted_labels(my_loss)."
         )
-    if not (trainer.model_accepts_loss_kwargs or loss_func is not None or _vlm_takes_loss_kwargs(trainer, state)):
+    if not (
+        trainer.model_accepts_loss_kwargs
+        or loss_func is not None
+        or whole_row_loss
+        or _vlm_takes_loss_kwargs(trainer, state)
+    ):
         raise ValueError(
             f"{type(trainer.model).__name__}.forward does not accept num_items_in_batch (**kwargs), so the loss "
             "cannot be token-weighted across SP ranks; pass compute_loss_func (see hf_longctx.takes_shifted_labels)."

@@ -144,6 +144,37 @@ def check_trainer_class(trainer_cls: type) -> Support:
     return verdict
 
 
+def check_head(name: str, model: Any, verdict: Support) -> None:
+    """Refuse a model whose head hf_longctx has no exact SP path for, under trainer `name`.
+
+    The heads hf_longctx knows (`sequence/heads.py`): causal LM and conditional generation (every trainer),
+    token classification and extractive QA (transformers' Trainer: their losses are taken over the whole row by
+    `sequence/head_losses.py`), sequence classification (RewardTrainer, whose setup pools the last token exactly).
+
+    Raises:
+        NotImplementedError: naming the trainer, the model class and what works.
+    """
+    from hf_longctx.sequence import heads
+
+    kind, cls_name = heads.head_of(model)
+    known = ", ".join(heads.KNOWN)
+    if kind is None:
+        raise refuse(
+            f"{name} with {cls_name}",
+            f"hf_longctx knows the losses of these heads only: {known}; {cls_name} carries none of them (a loss "
+            "it has not checked could read each rank's shard as the whole sequence)",
+        )
+    if kind == heads.SEQUENCE_CLASSIFICATION and verdict.setup is None:
+        # Its pooling reads each sequence's last token, which only one SP rank holds: every other rank would
+        # pool its own shard's last token, a silently wrong score. RewardTrainer's setup fetches it exactly.
+        raise refuse(f"{name} with {cls_name}", "sequence classification pools the last token of the whole sequence")
+    if kind in (heads.TOKEN_CLASSIFICATION, heads.QUESTION_ANSWERING) and name != "Trainer":
+        raise refuse(
+            f"{name} with {cls_name}",
+            f"its loss is built for language-model heads; a {kind} model trains under SP with transformers' Trainer",
+        )
+
+
 def check_trainer(trainer: Any, state: Any) -> None:
     """Refuse a TRL trainer without an exact SP path, or set up the SP path of a supported one.
 
@@ -152,14 +183,8 @@ def check_trainer(trainer: Any, state: Any) -> None:
     """
     verdict = check_trainer_class(type(trainer))
     model = getattr(trainer, "model", None)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if verdict.setup is None and type(base).__name__.endswith("ForSequenceClassification"):
-        # Its pooling reads each sequence's last token, which only one SP rank holds: every other rank would
-        # pool its own shard's last token, a silently wrong score. RewardTrainer's setup fetches it exactly.
-        raise refuse(
-            f"{trainer_verdict(type(trainer))[0]} with {type(base).__name__}",
-            "sequence classification pools the last token of the whole sequence",
-        )
+    if getattr(model, "config", None) is not None:  # a module around one is refused at the first step (first_step.py)
+        check_head(trainer_verdict(type(trainer))[0], model, verdict)
     if verdict.setup is not None:
         try:
             verdict.setup(trainer, state)
