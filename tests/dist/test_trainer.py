@@ -339,6 +339,16 @@ def test_first_step_logs_what_runs_on_rank_0(out_root):
     assert "on 4 ranks (1 node x 4): DP 2 x SP 2" in line
 
 
+def test_heads_and_adapters_without_an_exact_sp_path_are_refused_when_the_trainer_is_built(out_root):
+    """A model with no head hf_longctx knows (a bare LlamaModel) and a ShadowPEFT adapter stop in `Trainer(...)`,
+    naming the class; a token classifier's loss taken by a compute_loss_func (per shard) stops at `train()`."""
+    for rank_results in _world(2, out_root):
+        errors = rank_results["errors"]
+        assert errors["unknown_head"].startswith("init: Trainer with LlamaModel is not supported"), errors
+        assert errors["shadow"].startswith("init: ") and "(SHADOW)" in errors["shadow"], errors
+        assert errors["token_loss_func"].startswith("train: ") and "token classification" in errors["token_loss_func"]
+
+
 def test_sp_asked_but_not_applied_is_an_error(out_root):
     """A run that asks for SP and would train without it stops: a wrapper module trained (its transformers model
     never switched: each rank would attend over its own shard) at the first step, on every rank; arguments the
