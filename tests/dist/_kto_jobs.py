@@ -24,7 +24,7 @@ PATCHED = ("_compute_loss", "compute_ref_log_probs")  # the KTOTrainer methods h
 # Desirable / undesirable labels: the second batch of two is all desirable, the fourth all undesirable (a micro-batch
 # without one side logs no rewards / logps / logits for it, and no margin).
 LABELS = (True, False, True, True, False, True, False, False)
-# Trainer bookkeeping and timing: not metrics of the run.
+# Trainer bookkeeping: compared, but not reported among the metrics' differences.
 NOT_METRICS = ("step", "epoch", "learning_rate")
 
 
@@ -45,7 +45,9 @@ def kto_rows(n: int, seed: int = 21) -> list[dict[str, Any]]:
     return rows
 
 
-def kto_config(out_dir: str, *, sp: int = 1, steps: int = 3, zero: int | None = None, **extra: Any):
+def kto_config(
+    out_dir: str, *, sp: int = 1, steps: int = 3, zero: int | None = None, sp_options: dict | None = None, **extra: Any
+):
     from trl import KTOConfig
 
     from tests.dist._trl_jobs import _zero3_args
@@ -65,7 +67,7 @@ def kto_config(out_dir: str, *, sp: int = 1, steps: int = 3, zero: int | None = 
         "logging_steps": 1,
         "save_strategy": "no",
         "beta": BETA,
-        "parallelism_config": U.parallelism_config(sp),
+        "parallelism_config": U.parallelism_config(sp, sp_options if sp > 1 else None),
         **_zero3_args(zero),
     }
     return KTOConfig(out_dir, **{**fields, **extra})
@@ -161,7 +163,6 @@ def run_kto(
             if param.requires_grad:
                 with DJ._gathered(param, zero):
                     weights[name] = param.detach().clone()
-    logs = [{k: v for k, v in h.items() if k not in NOT_METRICS or k == "step"} for h in trainer.state.log_history]
     attn = model.config._attn_implementation
     patched = sorted(name for name in PATCHED if name in vars(trainer))
     hf_longctx.integrations.trainer.detach(trainer)
@@ -171,7 +172,7 @@ def run_kto(
         "collator": type(trainer.data_collator).__name__,
     }
     return {
-        "logs": [h for h in logs if "loss" in h],
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
         "eval": {k: v for k, v in evaluated.items() if not k.endswith(("_runtime", "_per_second"))},
         "grads": grads.steps,
         "weights": weights,

@@ -44,8 +44,9 @@ CONFIGS = {
     # LoRA through peft_config: the reference is the policy with its adapter disabled; APO-zero (no KL term, so
     # TRL builds no KL pairs) on a Qwen3-MoE policy with its router loss on (coefficient 0.3, LoRA on the routers).
     "peft_apo_moe": {"reference": "peft", "loss_type": "apo_zero_unpaired", "arch": "moe:qwen3_moe"},
-    # The reference's log-probs, KL pairs included, precomputed by TRL before training (on shards too).
-    "precompute": {"reference": "precompute", "precompute_ref_batch_size": 4},
+    # The reference's log-probs, KL pairs included, precomputed by TRL before training (on shards too); ring
+    # attention, whose zigzag layout both batches follow.
+    "precompute": {"reference": "precompute", "precompute_ref_batch_size": 4, "sp_options": {"sp_backend": "ring"}},
 }
 # DP=2 with DeepSpeed ZeRO-3 (TRL prepares the reference model itself), precomputed reference log-probs gathered
 # over the DP ranks, gradient accumulation 2: run at SP=2 on 4 processes and without SP on 2.
@@ -93,13 +94,15 @@ def _compare_metrics(got: dict, want: dict, worst: dict) -> None:
         assert math.isfinite(got[key]), (key, got)
         diff = abs(got[key] - value) / floor if floor > 0 else abs(got[key])
         assert diff <= RTOL, f"step {want.get('step', 'eval')} {key}: {got[key]!r} vs {value!r} (rel {diff:.2e})"
-        worst[name] = max(worst.get(name, 0.0), diff)
+        if name not in J.NOT_METRICS:
+            worst[name] = max(worst.get(name, 0.0), diff)
 
 
-def _compare_runs(got: dict, want: dict, sp: int) -> dict[str, float]:
+def _compare_runs(got: dict, want: dict, sp: int, backend: str = "ulysses") -> dict[str, float]:
     """Everything `run_kto` returns, for one rank of an SP run against the run without SP; the worst diffs."""
     assert got["spans"] == want["spans"]  # the same full batches, in order
     assert got["attn"].startswith(KEY_PREFIX) and want["attn"] == "sdpa", (got["attn"], want["attn"])
+    assert got["attn"].startswith(f"{KEY_PREFIX}_{backend}"), (got["attn"], backend)
     # Detaching restores the trainer: TRL's methods and collator.
     assert got["undone"] == {"patched": sorted(J.PATCHED), "left": [], "collator": "DataCollatorForUnpairedPreference"}
     worst: dict[str, float] = {}
@@ -120,18 +123,25 @@ def _compare_runs(got: dict, want: dict, sp: int) -> dict[str, float]:
         diff = float((got["weights"][name] - weight).abs().max() / weight.abs().max())
         assert diff <= RTOL, f"{name}: weight rel {diff:.2e}"
         worst["weights"] = max(worst.get("weights", 0.0), diff)
-    _assert_boundary_rows(want["spans"], sp)
+    _assert_boundary_rows(want["spans"], sp, backend)
     return worst
 
 
-def _assert_boundary_rows(spans: list, sp: int) -> None:
-    """Some completion straddles a shard boundary and some row lies entirely in SP rank 0's shard."""
+def _merge(worst: dict[str, float], more: dict[str, float]) -> None:
+    for key, value in more.items():
+        worst[key] = max(worst.get(key, 0.0), value)
+
+
+def _assert_boundary_rows(spans: list, sp: int, backend: str) -> None:
+    """Some completion straddles a shard boundary and some row lies entirely in SP rank 0's shard (its first chunk:
+    one of `sp` contiguous chunks, or of 2 x sp in ring's zigzag layout)."""
+    chunks = 2 * sp if backend == "ring" else sp
     straddles = held_by_rank0 = 0
     for batch in spans:
         for start, end, length in batch:
-            shard = -(-length // sp)  # contiguous layout: the batch padded to a multiple of sp
-            straddles += any(start < k * shard < end for k in range(1, sp))
-            held_by_rank0 += end <= shard
+            chunk = -(-length // chunks)  # the batch padded to a multiple of the chunk count
+            straddles += any(start < k * chunk < end for k in range(1, chunks))
+            held_by_rank0 += end <= chunk
     assert straddles > 0 and held_by_rank0 > 0, spans
 
 
@@ -140,7 +150,8 @@ def test_kto_sp2_matches_single_process(name, out_root, record_property):
     want = _reference(out_root)[name]
     worst: dict[str, float] = {}
     for rank in _sp2(out_root):
-        worst = _compare_runs(rank[name], want, sp=2)
+        backend = CONFIGS[name].get("sp_options", {}).get("sp_backend", "ulysses")
+        _merge(worst, _compare_runs(rank[name], want, sp=2, backend=backend))
     assert {"loss", "grad_norm", "kl", "entropy", "rewards/chosen", "logps/rejected", "grads"} <= set(worst)
     assert ("aux_loss" in worst) == ("arch" in CONFIGS[name])  # the router loss was compared, where it is on
     positive_kl = [h["kl"] > 0 for h in want["logs"]]
@@ -157,11 +168,11 @@ def test_kto_sp4_and_dp2_sp2_zero3_match_without_sp(out_root, record_property):
     # Both DP ranks of the run without SP log the same (gathered) metrics; each reads its own rows.
     assert dp_zero3[0]["logs"] == dp_zero3[1]["logs"] and dp_zero3[0]["spans"] != dp_zero3[1]["spans"]
     assert dp_zero3[0]["weights"] and not dp_zero3[0]["grads"]
-    worst = {}
+    worst: dict[str, dict[str, float]] = {"sp4": {}, "dp2_sp2_zero3": {}}
     for rank, result in enumerate(_world4(out_root)):
-        worst["sp4"] = _compare_runs(result["ref_model"], ref_model, sp=4)
+        _merge(worst["sp4"], _compare_runs(result["ref_model"], ref_model, sp=4))
         # Ranks 0-1 form the SP group of DP rank 0, ranks 2-3 that of DP rank 1.
-        worst["dp2_sp2_zero3"] = _compare_runs(result["dp_zero3"], dp_zero3[rank // 2], sp=2)
+        _merge(worst["dp2_sp2_zero3"], _compare_runs(result["dp_zero3"], dp_zero3[rank // 2], sp=2))
     record_property("max_rel_diff", worst)
 
 
