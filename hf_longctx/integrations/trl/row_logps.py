@@ -10,7 +10,8 @@ whole values and computes the same loss and metrics.
 The targets (the next token inside the completion, -100 elsewhere) are built on the FULL sequence, before
 hf_longctx shards it (`completion_targets`), under a key of their own: a `labels` key would make the Trainer
 count `num_items_in_batch` and change its gradient-accumulation scaling. Also here: the reference forward as
-TRL picks it (`reference_forward`) and the per-token metrics both trainers log (`log_token_metrics`).
+TRL picks it (`reference_forward`), the per-token metrics both trainers log (`log_token_metrics`) and TRL's MoE
+router loss term (`add_router_loss`).
 """
 
 from __future__ import annotations
