@@ -9,7 +9,7 @@ from tests._dist import run_distributed
 from tests.dist import _trl_jobs as J
 
 # The trainers `refusal_worker` builds, while the registry refuses them.
-REFUSED_HERE = tuple(name for name in ("DPOTrainer", "KTOTrainer") if not REGISTRY[name].supported)
+REFUSED_HERE = tuple(name for name in ("CPOTrainer",) if not REGISTRY[name].supported)
 
 
 @pytest.fixture(scope="module")

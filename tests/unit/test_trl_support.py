@@ -111,7 +111,7 @@ def test_unknown_trl_trainer_is_refused_and_generic_base_is_not():
     assert support.trainer_verdict(own) == ("Trainer", support.Support(True))
 
 
-@pytest.mark.parametrize("name", ["GRPOTrainer", "DPOTrainer", "RewardTrainer"])
+@pytest.mark.parametrize("name", ["GRPOTrainer", "DPOTrainer", "RewardTrainer", "KTOTrainer"])
 def test_per_sequence_trainers_are_supported_through_their_setup(name):
     assert support.REGISTRY[name].supported and support.REGISTRY[name].setup is not None
 

@@ -10,46 +10,43 @@ and log-prob metrics; per-token metrics (entropy, mean logits, token accuracy, t
 per-shard partial sums, which hf_longctx's `gather_for_metrics` adds over the SP group.
 
 The targets (the next token inside the completion, -100 elsewhere) are built by a collator wrapper on
-the FULL sequence, before hf_longctx shards it, under a key of their own: a `labels` key would make the
-Trainer count `num_items_in_batch` and change its gradient-accumulation scaling. The reference
+the FULL sequence, before hf_longctx shards it (`row_logps.completion_targets`). The reference
 log-probs come from a separate reference model, from the PEFT policy with its adapter disabled (or
 TRL's "ref" adapter), or precomputed by TRL; every reference forward runs on the same shard through the
-same SP path. The losses (every TRL 1.16 `loss_type`, the f-divergences, WPO weighting) are computed
-from the reduced per-row values in `dpo_losses.py`, and TRL's MoE router loss from the policy forward
-(`hf_longctx.sequence`); what is not (`ld_alpha`, vision-language models) is refused at construction, by name
-(`check_dpo_settings`). TRL 1.16 itself turns
-`padding_free` off, so there is no packed DPO to support.
+same SP path (`row_logps.py`, shared with KTO). The losses (every TRL 1.16 `loss_type`, the f-divergences,
+WPO weighting) are computed from the reduced per-row values in `dpo_losses.py`, and TRL's MoE router loss
+from the policy forward (`hf_longctx.sequence`); what is not (`ld_alpha`, vision-language models) is
+refused at construction, by name (`check_dpo_settings`). TRL 1.16 itself turns `padding_free` off, so
+there is no packed DPO to support.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hf_longctx._patching import Patch
-from hf_longctx.data.sharding import IGNORE_INDEX, make_shift_labels
-from hf_longctx.distributed.comm import all_reduce_sum, group_sum
+from hf_longctx.distributed.comm import all_reduce_sum
 from hf_longctx.integrations.trainer.state import SequenceParallelState
 from hf_longctx.integrations.trl.dpo_losses import F_DIVERGENCES, LOSS_TYPES, Pairs, pair_losses
 from hf_longctx.integrations.trl.errors import UnsupportedSetup
+from hf_longctx.integrations.trl.row_logps import (
+    TARGETS_KEY,
+    RowSums,
+    adapter_disabled,
+    add_router_loss,
+    completion_targets,
+    log_token_metrics,
+    mean_logits,
+    reference_forward,
+    row_sums,
+    shard_sums,
+    token_total,
+)
 
-TARGETS_KEY = "hf_longctx_dpo_targets"
 _NOT_MODEL_INPUTS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps", TARGETS_KEY)
-
-
-@dataclass
-class RowSums:
-    """One forward's per-row values over the whole sequence (the same on every SP rank), and its shard."""
-
-    logps: torch.Tensor  # [2B] summed completion log-probs (differentiable for the policy)
-    scored: torch.Tensor  # [2B] scored completion tokens (completion positions after the first)
-    completion: torch.Tensor  # [2B] completion tokens (TRL's `completion_mask.sum(1)`)
-    outputs: Any  # this shard's `FusedCausalLMOutput`
-    mask: torch.Tensor  # [2B, shard] positions of this shard whose next token is scored
 
 
 def check_dpo_settings(trainer: Any) -> None:
@@ -86,72 +83,28 @@ def _with_targets(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], 
                 "DPOTrainer under SP scores the completion tokens the collator marks: its batches need "
                 "`completion_mask` (TRL's DataCollatorForPreference provides it); got keys " + ", ".join(batch)
             )
-        ids, completion = batch["input_ids"], batch["completion_mask"]
-        # Position t scores token t+1, on the full sequence: a shard's last position scores the next shard's first.
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # one pair side per row
-        batch[TARGETS_KEY] = make_shift_labels(ids.masked_fill(completion == 0, IGNORE_INDEX), positions)
+        batch[TARGETS_KEY] = completion_targets(batch["input_ids"], batch["completion_mask"])  # one side per row
         return batch
 
     return collate_with_targets
 
 
-def row_sums(state: SequenceParallelState, model: Any, inputs: dict[str, Any], aux: bool = False) -> RowSums:
-    """Run `model` on the shard with the fused LM head and reduce each row's sums over the SP group; with `aux` the
-    forward also computes the MoE router loss (`outputs.aux_loss`, whole on every SP rank)."""
-    # A reference TRL prepared itself (DeepSpeed, FSDP) or a policy not prepared yet (TRL's precompute) gets SP
-    # attention before its first sharded forward (idempotent; `enable_sequence_parallel` validates the model).
-    state.enable(model)
-    groups = state.groups
-    # The SP padding (attention 0) carries target 0 from the sharding's fill: it scores nothing.
-    targets = inputs[TARGETS_KEY].masked_fill(inputs["attention_mask"] == 0, IGNORE_INDEX)
-    kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
-    if aux:
-        kwargs["output_router_logits"] = True  # as TRL asks for the policy forward
-    outputs = model(**kwargs, shift_labels=targets, fused_lm_head=True, use_cache=False)
-    mask = targets != IGNORE_INDEX
-    logps = group_sum(outputs.log_probs.sum(dim=1), groups.sp_group, groups.sp_world_size)
-    counts = all_reduce_sum(torch.stack([mask.sum(dim=1), inputs["completion_mask"].sum(dim=1)]), groups.sp_group)
-    return RowSums(logps, counts[0], counts[1], outputs, mask)
-
-
-def _reference(trainer: Any, state: SequenceParallelState, inputs: dict[str, Any]) -> RowSums:
-    """The reference forward, as TRL picks it: the reference model, or the PEFT policy without its adapter."""
-    from accelerate.utils import is_peft_model
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import use_adapter
-
-    args = trainer.args
-    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
-        if trainer.ref_model is None and is_peft_model(trainer.model):
-            unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                return row_sums(state, trainer.model, inputs)
-        if trainer.ref_model is None:
-            raise ValueError("DPOTrainer has no reference model and no precomputed reference log-probs.")
-        return row_sums(state, trainer.ref_model, inputs)
+def _model_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
 
 
 def _log_metrics(trainer: Any, inputs: dict[str, Any], policy: RowSums, ratios: tuple, logps: tuple) -> None:
     """TRL's DPO metrics: per-token ones from this shard's partial sums, per-pair ones from full values."""
     mode = "train" if trainer.model.training else "eval"
     metrics, acc = trainer._metrics[mode], trainer.accelerator
-
-    def total(x: torch.Tensor) -> torch.Tensor:  # over the SP group (partial sums), then over DP
-        return acc.gather_for_metrics(x).sum()
-
-    out, mask = policy.outputs, policy.mask
-    tokens = total(mask.sum())
-    entropy = total((out.entropy.detach() * mask).sum())
-    metrics["entropy"].append((entropy / tokens).item() if tokens > 0 else 0.0)
-    if mode == "train":
-        trainer._total_train_tokens += total(inputs["attention_mask"].sum()).item() // trainer._tp_size
-    metrics["num_tokens"] = [trainer._total_train_tokens]
-    chosen_mask, rejected_mask = (m.bool() for m in mask.chunk(2))
-    chosen_logits, rejected_logits = out.mean_logits.chunk(2)
-    for name, logits, m in (("chosen", chosen_logits, chosen_mask), ("rejected", rejected_logits, rejected_mask)):
-        count = total(m.sum()).item()
-        metrics[f"logits/{name}"].append(total(logits[m].sum()).item() / count if count > 0 else 0.0)
-    correct, count = total((out.is_top1.chunk(2)[0] & chosen_mask).sum()), total(chosen_mask.sum())
+    log_token_metrics(trainer, inputs, policy)
+    chosen_rows = torch.arange(policy.mask.shape[0], device=policy.mask.device) < policy.mask.shape[0] // 2
+    for name, rows in (("chosen", chosen_rows), ("rejected", ~chosen_rows)):
+        total, count = mean_logits(trainer, policy, rows)
+        metrics[f"logits/{name}"].append(total / count if count > 0 else 0.0)
+    chosen_mask = policy.mask.chunk(2)[0]
+    correct = token_total(trainer, (policy.outputs.is_top1.chunk(2)[0] & chosen_mask).sum())
+    count = token_total(trainer, chosen_mask.sum())
     metrics["mean_token_accuracy"].append((correct / count).item() if count > 0 else 0.0)
     # Full per-pair values, repeated on every SP rank: gathered over all ranks, their means are the DP means.
     chosen_rewards, rejected_rewards = (trainer.beta * r.detach() for r in ratios)
@@ -163,12 +116,12 @@ def _log_metrics(trainer: Any, inputs: dict[str, Any], policy: RowSums, ratios: 
     metrics["logps/rejected"].append(acc.gather(logps[1].detach()).mean().item())
 
 
-def _wpo_weights(state: SequenceParallelState, policy: RowSums) -> torch.Tensor:
+def _wpo_weights(state: SequenceParallelState, policy: RowSums, scored: torch.Tensor) -> torch.Tensor:
     """WPO's per-pair weight (`use_weighting`): exp of each row's mean aligned log-prob, chosen x rejected."""
     out = policy.outputs
     with torch.no_grad():
         aligned = ((out.log_probs - out.log_sum_sq_probs) * policy.mask).sum(dim=1)
-        mean = all_reduce_sum(aligned, state.groups.sp_group) / policy.scored.clamp(min=1)
+        mean = all_reduce_sum(aligned, state.groups.sp_group) / scored.clamp(min=1)
     chosen, rejected = torch.exp(mean).chunk(2)
     return chosen * rejected
 
@@ -176,14 +129,18 @@ def _wpo_weights(state: SequenceParallelState, policy: RowSums) -> torch.Tensor:
 def _make_compute_loss(trainer: Any, state: SequenceParallelState):
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def _compute_loss(model, inputs, return_outputs):
-            policy = row_sums(state, model, inputs, aux=trainer.aux_loss_enabled)
+            kwargs = _model_inputs(inputs)
+            policy = row_sums(state, model, kwargs, inputs[TARGETS_KEY], aux=trainer.aux_loss_enabled)
             if trainer.precompute_ref_logps:
                 ref = (inputs["ref_chosen_logps"], inputs["ref_rejected_logps"])
             else:
-                ref = _reference(trainer, state, inputs).logps.chunk(2)
-            pairs = Pairs(
-                *policy.logps.chunk(2), *ref, *policy.completion.chunk(2), chosen_scored=policy.scored.chunk(2)[0]
-            )
+                with reference_forward(trainer) as reference:
+                    ref = row_sums(state, reference, kwargs, inputs[TARGETS_KEY]).logps.chunk(2)
+            # [2B] scored completion tokens (every completion token but a first one) and completion tokens (TRL's
+            # `completion_mask.sum(1)`), whole sequence
+            local = torch.stack([policy.mask.sum(dim=1), inputs["completion_mask"].sum(dim=1)])
+            scored, completion = all_reduce_sum(local, state.groups.sp_group)
+            pairs = Pairs(*policy.logps.chunk(2), *ref, *completion.chunk(2), chosen_scored=scored.chunk(2)[0])
             losses = pair_losses(
                 pairs,
                 trainer.beta,
@@ -192,21 +149,17 @@ def _make_compute_loss(trainer: Any, state: SequenceParallelState):
                 trainer.f_divergence_type,
                 trainer.f_alpha_divergence_coef,
             )
-            weight = _wpo_weights(state, policy) if trainer.use_weighting else 1.0
+            weight = _wpo_weights(state, policy, scored) if trainer.use_weighting else 1.0
             loss = 0.0
             for loss_type, loss_weight in zip(trainer.loss_types, trainer.loss_weights, strict=True):
                 loss = loss + (losses[loss_type]() * weight).mean() * loss_weight
             ratios = (pairs.chosen - pairs.ref_chosen, pairs.rejected - pairs.ref_rejected)
             _log_metrics(trainer, inputs, policy, ratios, (pairs.chosen, pairs.rejected))
-            if trainer.aux_loss_enabled:  # TRL: loss + coef * aux_loss, logged as the mean over processes
-                aux = policy.outputs.aux_loss
-                loss = loss + trainer.router_aux_loss_coef * aux
-                mode = "train" if trainer.model.training else "eval"
-                trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux).mean().item())
+            if trainer.aux_loss_enabled:
+                loss = add_router_loss(trainer, state, loss, policy)
             if not return_outputs:
                 return loss
-            with torch.no_grad():  # evaluation's logits (TRL recomputes them too); merged over SP by prediction_step
-                kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+            with torch.no_grad():  # evaluation's logits (TRL recomputes them too)
                 return loss, model(**kwargs, use_cache=False)
 
         return _compute_loss
@@ -219,16 +172,9 @@ def _make_ref_log_probs(trainer: Any, state: SequenceParallelState):
         def compute_ref_log_probs(model, inputs):
             # TRL's precompute gathers the result with `gather_for_metrics`, which under SP adds 1-d values over
             # the SP group: return this shard's partial sums, the gather makes them whole.
-            from accelerate.utils import is_peft_model
-            from trl.trainer.utils import use_adapter
-
-            context = contextlib.nullcontext()
-            if trainer.ref_model is None and is_peft_model(trainer.model):
-                unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-                context = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-            with torch.no_grad(), context, trainer.accelerator.autocast():
-                rows = row_sums(state, model, inputs)
-            return rows.outputs.log_probs.sum(dim=1).chunk(2)
+            with torch.no_grad(), adapter_disabled(trainer), trainer.accelerator.autocast():
+                rows = shard_sums(state, model, _model_inputs(inputs), inputs[TARGETS_KEY])
+            return rows.logps.chunk(2)
 
         return compute_ref_log_probs
 

@@ -17,6 +17,8 @@ Where each supported trainer counts processes as data-parallel ranks, and where 
   `gather_for_metrics`, which adds them over the SP group before the DP gather (`trainer/metrics.py`).
 - DPOTrainer (`dpo._log_metrics`): per-token metrics as SFT's; per-pair values are whole on every SP rank and
   gathered over every process for means only, which repeating each DP rank's rows `sp_size` times leaves equal.
+- KTOTrainer (`kto.py`): per-token metrics as SFT's; its KL estimate and per-row sums are whole on every SP rank
+  and gathered over the DP group only (TRL gathers them over every process with `gather_for_metrics`).
 - RewardTrainer (`reward.py`): token counts from per-shard sums; whole scores gathered for min / mean / max only.
 - GRPOTrainer: generation sizes (`grpo.grpo_config`, checked at construction), the sampling RNG
   (`grpo_generation.py`), and every rank, size and gather of its batch and loss code (`grpo_data_parallel.py`):
@@ -56,6 +58,12 @@ def _setup_dpo(trainer: Any, state: Any) -> None:
     state.undo.append(setup_dpo(trainer, state))
 
 
+def _setup_kto(trainer: Any, state: Any) -> None:
+    from hf_longctx.integrations.trl.kto import setup_kto
+
+    state.undo.append(setup_kto(trainer, state))
+
+
 def _setup_grpo(trainer: Any, state: Any) -> None:
     from hf_longctx.integrations.trl.grpo import install_grpo_sp
 
@@ -88,7 +96,7 @@ REGISTRY: dict[str, Support] = {
     "PPOTrainer": Support(False, _GENERATION),
     "XPOTrainer": Support(False, _GENERATION),
     "NashMDTrainer": Support(False, _GENERATION),
-    "KTOTrainer": Support(False, _PER_SEQUENCE + " (and a KL term over mismatched pairs)"),
+    "KTOTrainer": Support(True, setup=_setup_kto),
     "ORPOTrainer": Support(False, _PER_SEQUENCE),
     "CPOTrainer": Support(False, _PER_SEQUENCE),
     "BCOTrainer": Support(False, _PER_SEQUENCE),
