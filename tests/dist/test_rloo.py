@@ -137,6 +137,8 @@ def test_dp2_sp2_zero3_run_and_sp4_loss_match_without_sp(out_root, record_proper
         # The two DP ranks generate for the same prompt with different RNG streams: different completions.
         assert ref[0]["runs"][name]["generations"] != ref[1]["runs"][name]["generations"]
         for world_rank, rank in enumerate(ranks):
+            assert rank["runs"][name]["attn"].startswith(f"{KEY_PREFIX}_ulysses_"), rank["runs"][name]
+            assert rank["runs"][name]["restored"]
             for key, diff in T.assert_same_run(
                 rank["runs"][name], ref[world_rank // 2]["runs"][name], J.FLOORS
             ).items():

@@ -3,6 +3,6 @@
 `support.check_trainer` runs while a Trainer is being constructed (from the `_validate_args` patch in
 `integrations/trainer/patches.py`): a TRL trainer without an exact SP path is refused there, by name,
 and a supported one sets up its SP path (`Support.setup`): `reward.py` (RewardTrainer's last-token
-score), `dpo.py` (DPOTrainer's per-row log-prob sums over the SP group), `grpo.py` (GRPOTrainer's
-sharded log-prob forward and loss).
+score), `dpo.py` (DPOTrainer's per-row log-prob sums over the SP group), `grpo.py` and `rloo.py`
+(GRPOTrainer's and RLOOTrainer's sharded log-prob forward and loss, both installed by `online.py`).
 """
