@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hf_longctx._patching import Patch
 from hf_longctx.data.collator import SequenceShardingCollator
 from hf_longctx.distributed.groups import validate_sp_size
@@ -198,9 +200,8 @@ def _plain_models(state: SequenceParallelState, models: list[Any]) -> Iterator[N
 
 def _make_rewards(trainer: Any, state: SequenceParallelState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The `Patch` factory for `_calculate_rewards`: reward models (`nn.Module` reward functions) score the whole
-    prompt + completion on every rank, so they run without the SP attention their `prepare_model` gave them
-    (with it each SP rank would read its full rows as one shard of a longer sequence: other scores per rank)."""
-    import torch
+    prompt + completion on every rank, so they run without the SP attention their `prepare_model` gave them (with
+    it, their forward on whole, unsharded rows raised for missing shard positions; measured under DDP)."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def calculate_rewards(*args: Any, **kwargs: Any) -> Any:
