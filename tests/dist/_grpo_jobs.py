@@ -85,13 +85,16 @@ def _trainer(
     sp_options: dict | None = None,
     base: type | None = None,
     trainer_kwargs: dict | None = None,
+    builder: Any = grpo_config,
     **overrides: Any,
 ):
+    """`base` (GRPOTrainer by default) on the tiny Llama and `_dataset()`, its config built by `builder` (`grpo_config`,
+    or `rloo_config` for an RLOOTrainer) from `_trainer_fields` and `overrides`."""
     from trl import GRPOTrainer
 
     base = base or GRPOTrainer
     parallelism = hf_longctx.ParallelismConfig(sp_size=sp, **(sp_options or {})) if sp > 1 else None
-    args = grpo_config(**{**_trainer_fields(out_dir), "parallelism_config": parallelism, **overrides})
+    args = builder(**{**_trainer_fields(out_dir), "parallelism_config": parallelism, **overrides})
     cls = _skewed(base) if skew else _prompt_seeded(base) if seeded else base
     trainer = cls(
         model=tiny_model("llama") if model is None else model,

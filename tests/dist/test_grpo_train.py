@@ -20,9 +20,6 @@ from hf_longctx.attention.registry import KEY_PREFIX
 from tests.dist import _grpo_train_jobs as J
 from tests.dist import _trainer_utils as U
 
-RTOL = 1e-5
-# The on-policy loss is a mean of advantages that sum to 0 per group: float noise around 0, compared absolutely.
-LOSS_FLOOR = 1e-2
 TIMEOUT_S = {1: 300, 2: 500, 4: 600}
 
 
@@ -36,34 +33,6 @@ def _spawn(out_root, world: int, sp: int, names: list[str]) -> list[dict]:
     return U.spawn_once(("grpo_train", world, sp), J.runs_job, world, path, sp, names, timeout=TIMEOUT_S[world])
 
 
-def _assert_same_run(got: dict, want: dict) -> dict[str, float]:
-    """The same prompts and completions at every generation, every step's metrics within RTOL, the same completion
-    tables and generation sizes; returns the worst rel diff per metric."""
-    assert "error" not in want, want["error"]
-    assert "error" not in got, got["error"]
-    assert len(got["generations"]) == len(want["generations"]) > 0
-    for index, (mine, ref) in enumerate(zip(got["generations"], want["generations"], strict=True)):
-        assert mine[0] == ref[0], f"generation {index} is for other prompts"
-        assert mine[1] == ref[1], f"generation {index} sampled other completions"
-    worst: dict[str, float] = {}
-    assert len(got["steps"]) == len(want["steps"]) > 0
-    for mine, ref in zip(got["steps"], want["steps"], strict=True):
-        assert mine.keys() == ref.keys(), (sorted(mine), sorted(ref))
-        for key, value in ref.items():
-            floor = LOSS_FLOOR if key == "loss" else 1e-30
-            diff = abs(mine[key] - value) / max(abs(value), floor)
-            assert diff <= RTOL, (ref["step"], key, mine[key], value)
-            worst[key] = max(worst.get(key, 0.0), diff)
-    assert got["tables"].keys() == want["tables"].keys()
-    for key, ref in want["tables"].items():
-        if key == "advantages" or key.startswith("rewards/"):
-            assert got["tables"][key] == pytest.approx(ref, rel=RTOL, abs=1e-6), key
-        else:
-            assert got["tables"][key] == ref, key
-    assert got["sizes"] == want["sizes"]
-    return worst
-
-
 @pytest.mark.parametrize("run", list(J.RUNS))
 def test_sp2_run_matches_without_sp(run: str, out_root, record_property) -> None:
     ref = _spawn(out_root, 1, 1, list(J.RUNS))[0][run]
@@ -75,7 +44,7 @@ def test_sp2_run_matches_without_sp(run: str, out_root, record_property) -> None
     for rank in ranks:
         assert rank[run]["attn"].startswith(f"{KEY_PREFIX}_{backend}_"), rank[run]["attn"]
         assert rank[run]["restored"]  # after detach(): no instance patch left, TRL's gathers are accelerate's
-        for key, diff in _assert_same_run(rank[run], ref).items():
+        for key, diff in J.assert_same_run(rank[run], ref).items():
             worst[key] = max(worst.get(key, 0.0), diff)
     record_property("max_rel_diff", worst)
 
@@ -91,6 +60,6 @@ def test_dp2_sp2_run_matches_dp2_without_sp(out_root, record_property) -> None:
         # The two DP ranks generate for the same prompt with different RNG streams: different completions.
         assert ref[0][name]["generations"] != ref[1][name]["generations"]
         for world_rank, rank in enumerate(ranks):
-            for key, diff in _assert_same_run(rank[name], ref[world_rank // 2][name]).items():
+            for key, diff in J.assert_same_run(rank[name], ref[world_rank // 2][name]).items():
                 worst[key] = max(worst.get(key, 0.0), diff)
     record_property("max_rel_diff", worst)

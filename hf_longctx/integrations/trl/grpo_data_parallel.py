@@ -1,18 +1,20 @@
-"""GRPO's batch and loss code under SP sees the data-parallel world a run without SP would see.
+"""GRPO's and RLOO's batch and loss code under SP sees the data-parallel world a run without SP would see.
 
-`GRPOTrainer` turns processes into data-parallel ranks while it builds a batch and its loss: it slices the
-gathered rewards by `accelerator.process_index`, divides the gathered token count by
-`accelerator.num_processes`, and gathers rewards, completion lengths, token counts and metrics over every
+`GRPOTrainer` and `RLOOTrainer` turn processes into data-parallel ranks while they build a batch and its loss:
+they slice the gathered rewards by `accelerator.process_index`, divide the gathered token count by
+`accelerator.num_processes`, and gather rewards, KL, completion lengths, token counts and metrics over every
 process (`accelerator.gather` / `reduce`, and accelerate's module-level `gather` / `gather_object`, which TRL
-imported into its module). Under SP the ranks of a group hold the same prompts and completions, so over every
-process each sample would count `sp_size` times: a doubled `num_tokens`, a `reward_std` over repeated rewards.
+imported into each trainer's module). Under SP the ranks of a group hold the same prompts and completions, so
+over every process each sample would count `sp_size` times: a doubled `num_tokens`, a `reward_std` over
+repeated rewards.
 
-`data_parallel_step` wraps GRPO's public `training_step` and `prediction_step` (the two entries into its
+`data_parallel_step` wraps the trainer's public `training_step` and `prediction_step` (the two entries into its
 batch and loss code) in `data_parallel_view`: inside, `trainer.accelerator` is a `DataParallelAccelerator`
 (the DP rank and size; gathers and reductions over the DP group) and TRL's module-level `gather` /
-`gather_object` gather over the DP group. Those two are patched on `trl.trainer.grpo_trainer` (a public
-accelerate function has no group argument and no hook), inert outside a view, and restored when the last
-trainer using them is detached. The generation sizes are the other half (`grpo.data_parallel_sizes`).
+`gather_object` gather over the DP group. Those two are patched on the trainer's module (`trl.trainer.grpo_trainer`,
+`trl.trainer.rloo_trainer`: a public accelerate function has no group argument and no hook), inert outside a
+view, and restored when the last trainer using them is detached. The generation sizes are the other half
+(`online.data_parallel_sizes`).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class DataParallelAccelerator:
         return dp_reduce(tensor, self._groups, reduction)  # `scale` applies on XLA only, as in accelerate
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        # Inside the view every value is whole on each SP rank (GRPO's are): one copy per DP rank.
+        # Inside the view every value is whole on each SP rank (GRPO's and RLOO's are): one copy per DP rank.
         return gather_replicated(self._accelerator, self._groups, input_data, use_gather_object)
 
     def __getattr__(self, name: str) -> Any:
@@ -155,38 +157,37 @@ def _make_module_gather_object(original: Callable[[Any], Any]) -> Callable[[Any]
     return gather_object
 
 
-_MODULE_PATCHES: list[Patch] = []
-_USERS = 0  # trainers relying on the module patches
+# Per trainer module: its two gather patches and the number of trainers relying on them.
+_MODULE_PATCHES: dict[str, list[Patch]] = {}
+_USERS: dict[str, int] = {}
 
 
-def use_module_gathers() -> Callable[[], None]:
-    """Patch TRL's module-level `gather` / `gather_object` (once per process); returns this user's release,
-    which restores them when no trainer uses them any more."""
-    global _USERS
-    if not _MODULE_PATCHES:
-        from trl.trainer import grpo_trainer
+def use_module_gathers(module_name: str = "trl.trainer.grpo_trainer") -> Callable[[], None]:
+    """Patch `module_name`'s module-level `gather` / `gather_object` (once per process and module); returns this
+    user's release, which restores them when no trainer of that module uses them any more."""
+    if module_name not in _MODULE_PATCHES:
+        import importlib
 
-        _MODULE_PATCHES.extend(
-            [
-                Patch(grpo_trainer, "gather", _make_module_gather),
-                Patch(grpo_trainer, "gather_object", _make_module_gather_object),
-            ]
-        )
-        for patch in _MODULE_PATCHES:
+        module = importlib.import_module(module_name)
+        patches = [
+            Patch(module, "gather", _make_module_gather),
+            Patch(module, "gather_object", _make_module_gather_object),
+        ]
+        for patch in patches:
             patch.apply()
-    _USERS += 1
+        _MODULE_PATCHES[module_name] = patches
+    _USERS[module_name] = _USERS.get(module_name, 0) + 1
     released = False
 
     def release() -> None:
-        global _USERS
         nonlocal released
         if released:
             return
         released = True
-        _USERS -= 1
-        if _USERS == 0:
-            for patch in reversed(_MODULE_PATCHES):
+        _USERS[module_name] -= 1
+        if _USERS[module_name] == 0:
+            del _USERS[module_name]
+            for patch in reversed(_MODULE_PATCHES.pop(module_name)):
                 patch.remove()
-            _MODULE_PATCHES.clear()
 
     return release

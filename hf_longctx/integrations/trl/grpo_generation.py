@@ -1,4 +1,4 @@
-"""GRPO's generation under SP: on the plain model, with the sampling RNG of the run without SP.
+"""GRPO's and RLOO's generation under SP: on the plain model, with the sampling RNG of the run without SP.
 
 The SP ranks of a group must sample the same completions for the same prompts (they then split those
 sequences), and a DP x SP run must sample what the run without SP on its DP ranks samples. TRL seeds each
@@ -75,7 +75,11 @@ def share_sampling_rng(state: SequenceParallelState, first: bool) -> None:
 
 
 def make_generate(trainer: Any, state: SequenceParallelState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The `Patch` factory for `_generate_single_turn`: shared RNG, plain model, then the digest check."""
+    """The `Patch` factory for `_generate_single_turn`: shared RNG, plain model, then the digest check.
+
+    TRL 1.16's GRPO returns `(completion_ids, logprobs)` from it, RLOO `completion_ids` alone: the result is
+    passed on as it is, and the completions are checked either way.
+    """
     generations = 0
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,9 +88,10 @@ def make_generate(trainer: Any, state: SequenceParallelState) -> Callable[[Calla
             share_sampling_rng(state, first=generations == 0)
             generations += 1
             with plain_model(state, trainer.model):
-                completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
+                result = original(prompt_ids, *args, **kwargs)
+            completion_ids = result[0] if isinstance(result, tuple) else result
             check_same_generation(state, prompt_ids, completion_ids)
-            return completion_ids, logprobs
+            return result
 
         return generate_single_turn
 

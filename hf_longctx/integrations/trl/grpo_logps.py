@@ -1,6 +1,6 @@
-"""GRPO's policy / reference log-probs under SP: a sharded forward, the per-token values gathered back.
+"""GRPO's and RLOO's policy / reference log-probs under SP: a sharded forward, the per-token values gathered back.
 
-`make_logps(trainer, state)` builds the replacement of `GRPOTrainer._get_per_token_logps_and_entropies`
+`make_logps(trainer, state)` builds the replacement of `_get_per_token_logps_and_entropies`
 (TRL's one entry for every log-prob forward: old, reference and policy): each row of prompt + completion
 runs sharded over the SP group and the completion's per-token log-probs (and entropies) are all-gathered
 back into sequence order, autograd-correct, so TRL's loss code runs unchanged on the full `[B, completion]`
@@ -105,9 +105,11 @@ def _sharded_logps(
     return full(outputs.log_probs), None if entropy is None else full(entropy), outputs.aux_loss if aux else None
 
 
-def make_logps(trainer: Any, state: SequenceParallelState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The `Patch` factory for `_get_per_token_logps_and_entropies`: sharded for a model with SP attention (the
-    policy and a reference model), TRL's own forward for any other."""
+def make_logps(
+    trainer: Any, state: SequenceParallelState, name: str = "GRPOTrainer"
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The `Patch` factory for `_get_per_token_logps_and_entropies` of the TRL trainer `name`: sharded for a model
+    with SP attention (the policy and a reference model), TRL's own forward for any other."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def get_per_token_logps_and_entropies(
@@ -118,7 +120,7 @@ def make_logps(trainer: Any, state: SequenceParallelState) -> Callable[[Callable
             given = [k for k in _MULTIMODAL if kwargs.get(k) is not None]
             if given:
                 raise ValueError(
-                    f"GRPOTrainer under SP shards text-only policy forwards; got vision inputs {given}: train this "
+                    f"{name} under SP shards text-only policy forwards; got vision inputs {given}: train this "
                     "model with sp_size=1."
                 )
             aux = bool(kwargs.get("compute_aux_loss"))

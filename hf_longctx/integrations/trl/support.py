@@ -20,9 +20,10 @@ Where each supported trainer counts processes as data-parallel ranks, and where 
 - KTOTrainer (`kto.py`): per-token metrics as SFT's; its KL estimate and per-row sums are whole on every SP rank
   and gathered over the DP group only (TRL gathers them over every process with `gather_for_metrics`).
 - RewardTrainer (`reward.py`): token counts from per-shard sums; whole scores gathered for min / mean / max only.
-- GRPOTrainer: generation sizes (`grpo.grpo_config`, checked at construction), the sampling RNG
-  (`grpo_generation.py`), and every rank, size and gather of its batch and loss code (`grpo_data_parallel.py`):
-  its statistics (std, quantiles) are not invariant under repetition, so they must see each sample once.
+- GRPOTrainer, RLOOTrainer (`online.py`): generation sizes (`grpo_config` / `rloo_config`, checked at
+  construction), the sampling RNG (`grpo_generation.py`), and every rank, size and gather of its batch and loss
+  code (`grpo_data_parallel.py`): its statistics (std, leave-one-out baselines, quantiles) are not invariant
+  under repetition, so they must see each sample once.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def _setup_grpo(trainer: Any, state: Any) -> None:
     state.undo.append(install_grpo_sp(trainer, state))
 
 
+def _setup_rloo(trainer: Any, state: Any) -> None:
+    from hf_longctx.integrations.trl.rloo import install_rloo_sp
+
+    state.undo.append(install_rloo_sp(trainer, state))
+
+
 _GENERATION = "it builds its training batch from generated completions inside the trainer"
 _PER_SEQUENCE = "its loss uses per-sequence log-probabilities, which each SP rank holds only part of"
 
@@ -79,7 +86,8 @@ REGISTRY: dict[str, Support] = {
     "RewardTrainer": Support(True, setup=_setup_reward),
     # Built through `hf_longctx.integrations.trl.grpo.grpo_config` (TRL's GRPOConfig refuses sp_size > 1).
     "GRPOTrainer": Support(True, setup=_setup_grpo),
-    "RLOOTrainer": Support(False, _GENERATION),
+    # Built through `hf_longctx.integrations.trl.rloo.rloo_config` (TRL's RLOOConfig refuses sp_size > 1).
+    "RLOOTrainer": Support(True, setup=_setup_rloo),
     "OnlineDPOTrainer": Support(False, _GENERATION),
     "GMPOTrainer": Support(False, _GENERATION),
     "AsyncGRPOTrainer": Support(False, _GENERATION),
