@@ -45,6 +45,7 @@ def _trainer(**overrides):
         "use_weighting": False,
         "_is_vision_dataset": False,
         "_is_vlm": False,
+        "compute_metrics": None,
         "args": SimpleNamespace(router_aux_loss_coef=None),
         "model": SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text)),
     }
@@ -77,6 +78,7 @@ def test_every_trl_loss_type_has_a_formula():
         ({"f_divergence_type": "chi2"}, "f_divergence_type='chi2'"),
         ({"ld_alpha": 0.5}, "ld_alpha"),
         ({"_is_vlm": True}, "vision"),
+        ({"compute_metrics": lambda prediction: {}}, "compute_metrics"),
     ],
 )
 def test_refused_settings_are_named(overrides, named):

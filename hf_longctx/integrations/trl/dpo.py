@@ -69,6 +69,8 @@ def check_dpo_settings(trainer: Any) -> None:
         # Its weights depend on each token's position in the completion, counted across the shards.
         "ld_alpha": (trainer.ld_alpha is not None, "ld_alpha=None"),
         "a vision dataset or processor": (trainer._is_vision_dataset or trainer._is_vlm, "a text-only model"),
+        # The logits TRL recomputes for it (deprecated in TRL 1.16) would be each rank's slice of the sequence.
+        "compute_metrics": (trainer.compute_metrics is not None, "compute_metrics=None; DPO's own metrics are exact"),
     }
     for option, (bad, works) in refused.items():
         if bad:
