@@ -21,10 +21,14 @@ from hf_longctx.integrations.trl import distillation_loss
 from hf_longctx.integrations.trl.distillation import distillation_config
 from tests._models import tiny_model
 from tests.dist._sft_utils import tiny_tokenizer
-from tests.dist._trl_jobs import _zero3_args
+from tests.dist._trl_jobs import _zero3_args, lora_config
 
 # (beta, temperature): forward KL, the generalised JSD, reverse KL, each at 1 and another temperature.
 SETTINGS = ((0.0, 1.0), (0.0, 2.0), (0.5, 1.0), (0.3, 0.7), (1.0, 1.0), (1.0, 1.5))
+# The loss job on LoRA adapters (the student through `peft_config`), under ring attention (zigzag shards) at SP > 1,
+# with a Llama teacher (ring refuses Gemma-2's attention soft-capping).
+LORA_RING = {"peft": True, "teacher": "llama", "sp_options": {"sp_backend": "ring"}}
+LORA_RING_SETTINGS = ((0.5, 1.0), (1.0, 1.5))
 # Trainer runs: DistillationConfig overrides, plus "sp_options" (the SP side's ParallelismConfig fields), "zero"
 # (DeepSpeed stage, both sides) and "evaluate" (trainer.evaluate() at the end).
 RUNS: dict[str, dict[str, Any]] = {
@@ -64,9 +68,10 @@ def prompts(n: int = 8, seed: int = 7):
     return Dataset.from_list(rows)
 
 
-def teacher_model() -> torch.nn.Module:
-    """A tiny Gemma-2 (final logit soft-capping 30), wider than the student, other weights, the same vocabulary."""
-    return tiny_model("gemma2", hidden=96, attn="eager", seed=5)
+def teacher_model(arch: str = "gemma2") -> torch.nn.Module:
+    """A tiny Gemma-2 (final logit soft-capping 30; or another `arch`), wider than the student, other weights, the
+    same vocabulary."""
+    return tiny_model(arch, hidden=96, attn="eager" if arch == "gemma2" else "sdpa", seed=5)
 
 
 def _recording(base: type) -> type:
@@ -112,10 +117,17 @@ def _skewed(base: type) -> type:
 
 
 def build(
-    out_dir: str, sp: int, sp_options: dict | None = None, zero: int | None = None, skew: bool = False, **extra: Any
+    out_dir: str,
+    sp: int,
+    sp_options: dict | None = None,
+    zero: int | None = None,
+    skew: bool = False,
+    peft: bool = False,
+    teacher: str = "gemma2",
+    **extra: Any,
 ):
-    """A `DistillationTrainer` (recording generations; `skew`: see `_skewed`) at `sp` (1: without SP; TRL's own
-    code)."""
+    """A `DistillationTrainer` (recording generations; `skew`: see `_skewed`; `peft`: LoRA adapters on the student
+    through `peft_config`) at `sp` (1: without SP; TRL's own code)."""
     from trl import DistillationTrainer
 
     evaluate = extra.pop("evaluate", False)
@@ -132,7 +144,8 @@ def build(
     cls = _recording(DistillationTrainer)
     trainer = (_skewed(cls) if skew else cls)(
         model=student,
-        teacher_model=teacher_model(),
+        teacher_model=teacher_model(teacher),
+        peft_config=lora_config() if peft else None,
         args=args,
         train_dataset=prompts(),
         eval_dataset=prompts(4, seed=11) if evaluate else None,
@@ -205,20 +218,23 @@ def fixed_inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def loss_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+def loss_job(rank: int, world_size: int, out_dir: str, settings: tuple = SETTINGS, **options: Any) -> dict[str, Any]:
     """Per `SETTINGS` entry and divergence path (TRL's kernel, hf_longctx's tiles under SP): the loss, the entropy
     metric and every student gradient of one training `compute_loss` + backward on `fixed_inputs()`, and the loss
-    of one evaluation `compute_loss`. Both sides: DDP-averaged gradients of the prepared student."""
+    of one evaluation `compute_loss`. Both sides: DDP-averaged gradients of the prepared student. `options`: `build`'s
+    (`sp_options` on the SP side only)."""
     from hf_longctx.integrations.trainer import detach
     from hf_longctx.integrations.trainer.state import sp_state
 
-    trainer = build(os.path.join(out_dir, "loss"), world_size)
+    if world_size == 1:
+        options.pop("sp_options", None)
+    trainer = build(os.path.join(out_dir, "loss" + "_".join(map(str, options))), world_size, **options)
     model = trainer.accelerator.prepare(trainer.model)
     state = sp_state(trainer)
     inputs = fixed_inputs()
     results: dict[str, Any] = {}
     with recorded_shards() as counts:
-        for beta, temperature in SETTINGS:
+        for beta, temperature in settings:
             for tiled in (False, True) if state is not None else (False,):
                 if state is not None:
                     state.config.tiled_loss = tiled  # read at every step: the divergence path of this case
@@ -227,7 +243,8 @@ def loss_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
                 model.zero_grad(set_to_none=True)
                 loss = trainer.compute_loss(model, dict(inputs))
                 trainer.accelerator.backward(loss)
-                grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+                trained = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+                grads = {n: p.grad.detach().clone() for n, p in trained}
                 trainer.model.eval()
                 with torch.no_grad():
                     eval_inputs = {k: v for k, v in inputs.items() if k != "num_items_in_batch"}
@@ -269,12 +286,13 @@ def generation_job(rank: int, world_size: int, out_dir: str) -> dict[str, str | 
 def worker(
     rank: int, world_size: int, out_dir: str, loss: bool, run_sp: int, names: list[str], checks: bool = False
 ) -> dict[str, Any]:
-    """The loss job at SP = the world size (with `loss`), the generation checks (with `checks`), then each named run
-    of `RUNS` / `DP_RUNS` at `run_sp` (1: without SP). A run that raises on every rank alike reports its error and
-    the next one runs."""
+    """The loss jobs at SP = the world size (with `loss`: plain and `LORA_RING`), the generation checks (with
+    `checks`), then each named run of `RUNS` / `DP_RUNS` at `run_sp` (1: without SP). A run that raises on every
+    rank alike reports its error and the next one runs."""
     results: dict[str, Any] = {}
     if loss:
         results["loss"] = loss_job(rank, world_size, out_dir)
+        results["loss_lora_ring"] = loss_job(rank, world_size, out_dir, LORA_RING_SETTINGS, **LORA_RING)
     if checks:
         results["generation"] = generation_job(rank, world_size, out_dir)
     specs = {**RUNS, **DP_RUNS}

@@ -4,7 +4,7 @@
   betas, reverse KL) at two temperatures, through TRL's kernel and hf_longctx's tiles, one training
   `compute_loss` + backward on fixed rows (a row scored on one SP rank only, one on the other, rows across the
   boundary, a multi-turn tool mask): the mean loss over ranks, the entropy metric, every student gradient after
-  the DDP average, and the evaluation loss.
+  the DDP average, and the evaluation loss; again for LoRA adapters under ring attention (`LORA_RING`).
 - `train()` (`_distill_jobs.RUNS`), SP=2: per step, loss, grad_norm and every other logged metric within 1e-5,
   the same prompts and completions at every generation, then `evaluate()`'s metrics; with DP=2 x SP=2 and
   ZeRO-3 (slow) against DP=2.
@@ -41,8 +41,8 @@ def _reference(out_root) -> dict:
     return _spawn(out_root, 1, True, 1, list(J.RUNS))[0]
 
 
-def _assert_same_losses(ranks: list[dict], ref: dict) -> dict[str, float]:
-    """Every case of the SP ranks' loss job against the reference's (TRL's kernel); returns the worst rel diffs."""
+def _assert_same_losses(ranks: list[dict], ref: dict, job: str = "loss") -> dict[str, float]:
+    """Every case of the SP ranks' loss `job` against the reference's (TRL's kernel); returns the worst rel diffs."""
     worst: dict[str, float] = {}
 
     def check(name: str, got: float, want: float, rtol: float) -> None:
@@ -50,11 +50,12 @@ def _assert_same_losses(ranks: list[dict], ref: dict) -> dict[str, float]:
         assert diff <= rtol, (name, got, want, diff)
         worst[name] = max(worst.get(name, 0.0), diff)
 
-    cases = [key for key in ranks[0]["loss"] if key != "shards"]
-    assert len(cases) == 2 * len(J.SETTINGS)  # TRL's kernel and hf_longctx's tiles
+    cases = [key for key in ranks[0][job] if key != "shards"]
+    settings = J.SETTINGS if job == "loss" else J.LORA_RING_SETTINGS
+    assert len(cases) == 2 * len(settings)  # TRL's kernel and hf_longctx's tiles
     for beta, temperature, tiled in cases:
-        want = ref["loss"][(beta, temperature, False)]
-        got = [rank["loss"][(beta, temperature, tiled)] for rank in ranks]
+        want = ref[job][(beta, temperature, False)]
+        got = [rank[job][(beta, temperature, tiled)] for rank in ranks]
         # Each rank's loss is its shard's share: their mean is the loss without SP (the logged loss).
         check("loss", sum(r["loss"] for r in got) / len(got), want["loss"], RTOL)
         for rank in got:
@@ -68,9 +69,8 @@ def _assert_same_losses(ranks: list[dict], ref: dict) -> dict[str, float]:
                 diff = (rank["grads"][name] - grad).abs().max().item() / scale
                 assert diff <= GRAD_RTOL, (beta, temperature, tiled, name, diff)
                 worst["grads"] = max(worst.get("grads", 0.0), diff)
-        # The settings differ: each case computes its own divergence.
-    losses = {ref["loss"][(b, t, False)]["loss"] for b, t in J.SETTINGS}
-    assert len(losses) == len(J.SETTINGS)
+    # The settings differ: each case computes its own divergence.
+    assert len({ref[job][(b, t, False)]["loss"] for b, t in settings}) == len(settings)
     return worst
 
 
@@ -86,11 +86,12 @@ def _assert_shard_coverage(ranks: list[dict], counts_key) -> None:
     assert {"one rank", "across"} <= kinds, kinds
 
 
-def test_loss_and_gradients_sp2_match_without_sp(out_root, record_property) -> None:
+@pytest.mark.parametrize("job", ["loss", "loss_lora_ring"])
+def test_loss_and_gradients_sp2_match_without_sp(job: str, out_root, record_property) -> None:
     ref = _reference(out_root)
     ranks = _spawn(out_root, 2, True, 2, list(J.RUNS), checks=True)
-    _assert_shard_coverage(ranks, lambda rank: rank["loss"]["shards"])
-    record_property("max_rel_diff", _assert_same_losses(ranks, ref))
+    _assert_shard_coverage(ranks, lambda rank: rank["loss"]["shards"])  # contiguous shards (ring: zigzag)
+    record_property("max_rel_diff", _assert_same_losses(ranks, ref, job))
 
 
 def _assert_same_run(got: dict, want: dict) -> dict[str, float]:
@@ -149,7 +150,9 @@ def test_sp4_loss_and_dp2_sp2_zero3_train(out_root, record_property) -> None:
     trains like the DP rank it stands for."""
     names = list(J.DP_RUNS)
     ranks = _spawn(out_root, 4, True, 2, names)
-    worst = _assert_same_losses(ranks, _reference(out_root))
+    worst = {}
+    for job in ("loss", "loss_lora_ring"):
+        worst[job] = _assert_same_losses(ranks, _reference(out_root), job)
     _assert_shard_coverage(ranks, lambda rank: rank["loss"]["shards"])
     ref = _spawn(out_root, 2, False, 1, names)
     for name in names:
@@ -157,6 +160,6 @@ def test_sp4_loss_and_dp2_sp2_zero3_train(out_root, record_property) -> None:
         assert ref[0][name]["generations"] != ref[1][name]["generations"]
         for world_rank, rank in enumerate(ranks):
             for key, diff in _assert_same_run(rank[name], ref[world_rank // 2][name]).items():
-                worst[key] = max(worst.get(key, 0.0), diff)
+                worst[name] = {**worst.get(name, {}), key: max(worst.get(name, {}).get(key, 0.0), diff)}
         _assert_shard_coverage(ranks[:2], lambda rank, name=name: rank[name]["shards"])
     record_property("max_rel_diff", worst)
