@@ -176,7 +176,7 @@ def sharded_loss(
         DP ranks; without (evaluation) whole on every SP rank, as hf_longctx's evaluation takes it.
 
     Raises:
-        ValueError: vision inputs, or a teacher with another vocabulary.
+        ValueError: vision inputs, no local teacher model, or a teacher with another vocabulary.
     """
     given = [k for k in MULTIMODAL_KEYS if inputs.get(k) is not None]
     if given:
@@ -186,6 +186,11 @@ def sharded_loss(
         )
     student = _unwrap(trainer.accelerator.unwrap_model(model))
     teacher_wrapper = trainer.teacher_model
+    if teacher_wrapper is None:
+        raise ValueError(
+            f"{type(trainer).__name__} under SP runs a local teacher model on the SP group's shards; this trainer has "
+            "none (a teacher supplied another way, e.g. a server, is not sharded): pass teacher_model."
+        )
     teacher = _unwrap(trainer.accelerator.unwrap_model(teacher_wrapper))
     state.enable(teacher)  # a teacher TRL prepared itself (DeepSpeed) gets SP attention here, once
     shard = shard_rows(state, inputs, trainer._tokenizer.pad_token_id)
