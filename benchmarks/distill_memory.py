@@ -5,12 +5,12 @@
 
 Both variants train the same random-init student (Llama, 2 layers, hidden 64, 2 / 2 heads of dim 16, vocabulary
 32,768) on one row of S tokens (a 64-token prompt, the rest completion) at SP=2 with `tiled_loss` and gradient
-checkpointing (TRL's default for both trainers), DDP on gloo, SGD, fp32, one thread per rank, one optimizer step: "SFT" is TRL's `SFTTrainer` on the row (loss on the
-completion), "distillation" TRL's `DistillationTrainer` with a teacher of the same shape (other weights), its
-generation replaced by the row's completion (so the step is what training does after generating: both forwards,
-the divergence, backward). Peak: the largest resident growth of any rank from just before the models are built to
-the end of training (`run_peak_bytes`: models, gradients, activations, buffers). Writes
-`benchmarks/results/<date>-distill-memory.{json,md}`.
+checkpointing (TRL's default for both trainers), DDP on gloo, SGD, fp32, one thread per rank, one optimizer step:
+"SFT" is TRL's `SFTTrainer` on the row (loss on the completion), "distillation" TRL's `DistillationTrainer` with a
+teacher of the same shape (other weights), its generation replaced by the row's completion (so the step is what
+training does after generating: both forwards, the divergence, backward). Peak: the largest resident growth of
+any rank from just before the models are built to the end of training (`run_peak_bytes`: models, gradients,
+activations, buffers). Writes `benchmarks/results/<date>-distill-memory.{json,md}`.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ DP_RUNS: dict[str, dict[str, Any]] = {
 # completions differ in length.
 EOS_IDS = list(range(2, 20))
 STEPS = 3
+LOGIT_SCALE = 20.0
 _NOT_COMPARED = ("time", "runtime", "per_second", "flos")  # wall-clock keys
 
 
@@ -68,10 +69,19 @@ def prompts(n: int = 8, seed: int = 7):
     return Dataset.from_list(rows)
 
 
+def _peaked(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its LM head scaled up: logits of std ~3 instead of ~0.15, so the next-token distributions are
+    peaked as a trained model's (at random init they are near uniform, and every divergence is a small difference of
+    O(log vocab) float32 terms, whose rounding the run without SP has too)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
+    return model
+
+
 def teacher_model(arch: str = "gemma2") -> torch.nn.Module:
     """A tiny Gemma-2 (final logit soft-capping 30; or another `arch`), wider than the student, other weights, the
     same vocabulary."""
-    return tiny_model(arch, hidden=96, attn="eager" if arch == "gemma2" else "sdpa", seed=5)
+    return _peaked(tiny_model(arch, hidden=96, attn="eager" if arch == "gemma2" else "sdpa", seed=5))
 
 
 def _recording(base: type) -> type:
@@ -139,7 +149,7 @@ def build(
         gradient_checkpointing=False, parallelism_config=parallelism, **_zero3_args(zero),
     )  # fmt: skip
     args = distillation_config(**{**fields, **extra})
-    student = tiny_model("llama")
+    student = _peaked(tiny_model("llama"))
     student.generation_config.eos_token_id = EOS_IDS
     cls = _recording(DistillationTrainer)
     trainer = (_skewed(cls) if skew else cls)(
