@@ -154,3 +154,24 @@ def test_registry_supports_distillation_and_refuses_gkd_with_its_reasons():
     message = str(err.value)
     assert message.startswith("GKDTrainer is not supported") and "training_step" in message
     assert "shifts the labels inside each row" in message and "use DistillationTrainer" in message
+
+
+def test_trls_gather_object_is_patched_inside_a_view_only_and_restored_by_the_last_user():
+    from accelerate.utils import operations
+    from trl.trainer import distillation_trainer
+
+    from hf_longctx.integrations.trl.grpo_data_parallel import data_parallel_view
+
+    first, second = distillation.use_module_gather_object(), distillation.use_module_gather_object()
+    try:
+        assert distillation_trainer.gather_object is not operations.gather_object
+        assert distillation_trainer.gather_object(["a"]) == ["a"]  # outside a view: accelerate's (one process)
+        trainer = SimpleNamespace(accelerator=SimpleNamespace())
+        with data_parallel_view(trainer, SequenceParallelGroups.single()):
+            assert distillation_trainer.gather_object(["a", "b"]) == ["a", "b"]  # over the DP group
+        first()
+        first()  # a second release of the same user changes nothing
+        assert distillation_trainer.gather_object is not operations.gather_object
+    finally:
+        second()
+    assert distillation_trainer.gather_object is operations.gather_object
