@@ -33,15 +33,16 @@ LORA_RING_SETTINGS = ((0.5, 1.0), (1.0, 1.5))
 # (DeepSpeed stage, both sides) and "evaluate" (trainer.evaluate() at the end).
 RUNS: dict[str, dict[str, Any]] = {
     # The JSD at temperature 2 (sampling too), accumulation 2, gradient checkpointing, hf_longctx's tiles for the
-    # divergence; then evaluation (generation and the whole-row loss).
+    # divergence, TRL's completion log; then evaluation (generation and the whole-row loss).
     "jsd_tiled": {
         "beta": 0.5,
         "temperature": 2.0,
         "gradient_accumulation_steps": 2,
         "gradient_checkpointing": True,
+        "log_completions": True,
         "evaluate": True,
         "sp_options": {"tiled_loss": True},
-    },  # fmt: skip
+    },
 }
 # DP=2 x SP=2 against DP=2: the reverse KL (TRL's default beta) through TRL's kernel on the shards, student and
 # teacher under DeepSpeed ZeRO-3, accumulation 2. Last in its spawn: it leaves accelerate's state set for DeepSpeed.
@@ -196,7 +197,8 @@ def train(out_dir: str, sp: int, spec: dict[str, Any]) -> dict[str, Any]:
         if "loss" in entry
     ]
     evaluated = {k: v for k, v in metrics.items() if not any(word in k for word in _NOT_COMPARED)}
-    return {"steps": steps, "eval": evaluated, "generations": trainer.generations, "shards": counts,
+    tables = {key: list(log) for key, log in trainer._logs.items()}
+    return {"steps": steps, "eval": evaluated, "generations": trainer.generations, "shards": counts, "tables": tables,
             "attn": attn, "restored": _restored(trainer)}  # fmt: skip
 
 

@@ -103,6 +103,7 @@ def _assert_same_run(got: dict, want: dict) -> dict[str, float]:
     for index, (mine, ref) in enumerate(zip(got["generations"], want["generations"], strict=True)):
         assert mine[0] == ref[0], f"generation {index} is for other prompts"
         assert mine[1] == ref[1], f"generation {index} sampled other completions"
+    assert got["tables"] == want["tables"]  # TRL's completion log: the latest generation's prompts and completions
     assert len(got["steps"]) == len(want["steps"]) == J.STEPS
     worst: dict[str, float] = {}
     for mine, ref in [*zip(got["steps"], want["steps"], strict=True), (got["eval"], want["eval"])]:

@@ -21,6 +21,7 @@ seeing SP (nothing is patched). `install_distillation_sp(trainer, state)` patche
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,17 @@ def check_distillation_settings(trainer: Any) -> None:
         )
 
 
+def _size_completion_log(trainer: Any, dp: int) -> None:
+    """Keep TRL's completion log (`_logs`, which `__init__` sized after SP was set up) to one generation batch of
+    the DP ranks, as the run without SP does: it holds the latest generation only."""
+    args = trainer.args
+    size = args.per_device_train_batch_size * dp * args.gradient_accumulation_steps
+    logs = getattr(trainer, "_logs", {})
+    for key, log in logs.items():
+        if isinstance(log, deque) and log.maxlen != size:
+            logs[key] = deque(log, maxlen=size)
+
+
 def make_generate(trainer: Any, state: SequenceParallelState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The `Patch` factory for `_generate_single_turn` (TRL 1.16 returns the completion ids only): the shared
     sampling RNG, the plain model, then the digest check (`grpo_generation`)."""
@@ -95,6 +107,8 @@ def make_generate(trainer: Any, state: SequenceParallelState) -> Callable[[Calla
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_single_turn(prompt_ids: Any, *args: Any, **kwargs: Any) -> Any:
             nonlocal generations
+            if generations == 0:
+                _size_completion_log(trainer, state.groups.dp_world_size)
             share_sampling_rng(state, first=generations == 0)
             generations += 1
             with plain_model(state, trainer.model):
