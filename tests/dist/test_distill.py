@@ -126,6 +126,7 @@ def test_sp2_train_matches_without_sp(run: str, out_root, record_property) -> No
     worst: dict[str, float] = {}
     for rank in ranks:
         result = rank[run]
+        assert "error" not in result, result["error"]
         assert all(attn.startswith(f"{KEY_PREFIX}_ulysses_") for attn in result["attn"]), result["attn"]
         assert result["restored"]  # after detach(): no instance patch left, TRL's gather_object is accelerate's
         for key, diff in _assert_same_run(result, ref).items():
