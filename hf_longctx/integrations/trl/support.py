@@ -93,7 +93,7 @@ REGISTRY: dict[str, Support] = {
         "it generates completions inside training_step (with probability lmbda, or from the teacher with seq_kd) "
         "after the batch was sharded, and its loss shifts the labels inside each row of its full logits, which on SP "
         "shards drops every shard's last target (use DistillationTrainer: exact under SP, it covers GKD with "
-        "lmbda=1)",
+        "lmbda=1, temperature=1)",
     ),
     "GOLDTrainer": Support(False, _GENERATION + " and compares teacher and student logits per token"),
     # Built through `hf_longctx.integrations.trl.distillation.distillation_config` (TRL refuses sp_size > 1).
