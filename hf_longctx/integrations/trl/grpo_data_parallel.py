@@ -149,7 +149,7 @@ def _make_module_gather(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return gather
 
 
-def _make_module_gather_object(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def make_module_gather_object(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def gather_object(obj: Any) -> Any:
         groups = _VIEW.get()
         return original(obj) if groups is None else dp_gather_object(obj, groups)
@@ -171,7 +171,7 @@ def use_module_gathers(module_name: str = "trl.trainer.grpo_trainer") -> Callabl
         module = importlib.import_module(module_name)
         patches = [
             Patch(module, "gather", _make_module_gather),
-            Patch(module, "gather_object", _make_module_gather_object),
+            Patch(module, "gather_object", make_module_gather_object),
         ]
         for patch in patches:
             patch.apply()

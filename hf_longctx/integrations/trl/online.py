@@ -177,7 +177,10 @@ def check_online_settings(trainer: Any, dp: int, kind: OnlineTrainer) -> None:
     check_generation_sizes(args, dp, kind.builder)
 
 
-def _make_loader(original: Callable[..., Any]) -> Callable[..., Any]:
+def keep_prompt_collate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The `Patch` factory for `get_train_dataloader` / `get_eval_dataloader` of a trainer that generates: its
+    loaders keep TRL's collate (prompts are sharded only after generation)."""
+
     def get_dataloader(*args: Any, **kwargs: Any) -> Any:
         # The batches are prompts (a list of dicts), sharded only after generation: keep TRL's collate.
         loader = original(*args, **kwargs)
@@ -229,8 +232,8 @@ def install_online_sp(trainer: Any, state: SequenceParallelState, kind: OnlineTr
         # The public entries into the batch and loss code: both run in the data-parallel view.
         Patch(trainer, "training_step", data_parallel),
         Patch(trainer, "prediction_step", data_parallel),
-        Patch(trainer, "get_train_dataloader", _make_loader),
-        Patch(trainer, "get_eval_dataloader", _make_loader),
+        Patch(trainer, "get_train_dataloader", keep_prompt_collate),
+        Patch(trainer, "get_eval_dataloader", keep_prompt_collate),
     ]
     for patch in patches:
         patch.apply()

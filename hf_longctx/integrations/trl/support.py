@@ -24,6 +24,8 @@ Where each supported trainer counts processes as data-parallel ranks, and where 
   construction), the sampling RNG (`grpo_generation.py`), and every rank, size and gather of its batch and loss
   code (`grpo_data_parallel.py`): its statistics (std, leave-one-out baselines, quantiles) are not invariant
   under repetition, so they must see each sample once.
+- DistillationTrainer: its sampler sizes, generation, completion metrics and token count in the data-parallel view
+  (`distillation.py`); its loss and entropy per shard, from partial sums (`distillation_loss.py`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ def _setup_rloo(trainer: Any, state: Any) -> None:
     state.undo.append(install_rloo_sp(trainer, state))
 
 
+def _setup_distillation(trainer: Any, state: Any) -> None:
+    from hf_longctx.integrations.trl.distillation import install_distillation_sp
+
+    state.undo.append(install_distillation_sp(trainer, state))
+
+
 _GENERATION = "it builds its training batch from generated completions inside the trainer"
 _PER_SEQUENCE = "its loss uses per-sequence log-probabilities, which each SP rank holds only part of"
 
@@ -96,9 +104,16 @@ REGISTRY: dict[str, Support] = {
     "SDPOTrainer": Support(False, _GENERATION),
     "IWOPDTrainer": Support(False, _GENERATION),
     "TPOTrainer": Support(False, _GENERATION),
-    "GKDTrainer": Support(False, _GENERATION + " and compares teacher and student logits per token"),
+    "GKDTrainer": Support(
+        False,
+        "it generates completions inside training_step (with probability lmbda, or from the teacher with seq_kd) "
+        "after the batch was sharded, and its loss shifts the labels inside each row of its full logits, which on SP "
+        "shards drops every shard's last target (use DistillationTrainer: exact under SP, it covers GKD with "
+        "lmbda=1, temperature=1)",
+    ),
     "GOLDTrainer": Support(False, _GENERATION + " and compares teacher and student logits per token"),
-    "DistillationTrainer": Support(False, _GENERATION),
+    # Built through `hf_longctx.integrations.trl.distillation.distillation_config` (TRL refuses sp_size > 1).
+    "DistillationTrainer": Support(True, setup=_setup_distillation),
     "AsyncDistillationTrainer": Support(False, _GENERATION),
     "ServerDistillationTrainer": Support(False, _GENERATION),
     "PPOTrainer": Support(False, _GENERATION),
