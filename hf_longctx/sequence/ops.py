@@ -50,8 +50,8 @@ class SequenceOps:
         self.router = RouterLoss.attach(base)
         # Router logits recorded by a family whose forward adds no router loss (Llama 4, DeepSeek-V3, ...).
         self.loss_free_routers = self.router is None and groups.sp_enabled and bool(router_modules(base))
-        # With one rank the rotary module sees the whole sequence already.
-        self.rope = patch_runtime_rope(base, lambda: self.view, groups) if groups.sp_enabled else []
+        # Also with one rank: a packed row must give each document its own frequencies.
+        self.rope = patch_runtime_rope(base, lambda: self.view)
 
     @property
     def needs_view(self) -> bool:
@@ -75,6 +75,7 @@ class SequenceOps:
     def finish(self, output: Any) -> None:
         """At a forward's end (also after an exception: `output` None)."""
         self.view = None
+        self.rope.end_forward()
         if self.router is not None:
             if output is None:
                 self.router.abort()
@@ -89,6 +90,4 @@ class SequenceOps:
     def remove(self) -> None:
         if self.router is not None:
             self.router.remove()
-        for patch in self.rope:
-            patch.remove()
-        self.rope.clear()
+        self.rope.remove()
