@@ -318,12 +318,8 @@ def enable_sequence_parallel(
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
         if context is None:  # single process, a forward left to the model (generation)
             return kernel(module, query, key_, value, attention_mask, **kwargs)
-        if scales_query_by_index(module) and (groups.sp_enabled or not context.single_document):
-            # Llama 4's temperature: by each token's index in its own document (exact as is on one rank, one
-            # document per row).
-            query = document_scaled_query(
-                module, query, context.position_ids, sp.layout, groups.sp_rank, groups.sp_world_size
-            )
+        if scales_query_by_index(module):  # Llama 4's temperature, by each token's index in its own document
+            query = document_scaled_query(module, query, context, sp.layout, groups)
         if ring_attention_kwargs is not None:
             return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
         call = {"kernel": kernel, "kernel_name": kernel_name, "family": family, "context": context, "groups": groups}

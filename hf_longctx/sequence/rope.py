@@ -15,7 +15,9 @@ real position, and drops that column from the result. The module thus updates it
 frequencies exactly as it would for the documents run alone one after another, every rank walks every document
 (a document with no token here is a one-position call), and each token's cos / sin come from its own document's
 frequencies (RoPE is applied per token). SP padding takes its document's largest position (its cos / sin reach no
-real token: causality hides it and no loss counts it). A batch of one length (unpacked rows) is one call.
+real token: causality hides it and no loss counts it). A batch of one document per row (unpacked rows, padding
+aside) is one call with the batch's largest real position: what transformers computes for the rows together, and
+what the run without SP gives.
 """
 
 from __future__ import annotations
@@ -131,8 +133,10 @@ def _per_document(
         if memo.get("view") is current and memo["key"] == key and torch.equal(memo["positions"], position_ids):
             return memo["out"]
         runs = document_runs(current)
-        if len(runs) == 1:  # one length for the whole batch (e.g. unpacked rows): one call, the shape as given
-            top = position_ids.new_tensor(runs.largest[0])
+        if len(runs) == 1 or not runs.packed:
+            # One length for the whole batch, or one document per row (unpacked rows: transformers gives every row
+            # the batch's longest, and so does the run without SP): one call, the shape as given.
+            top = position_ids.new_tensor(max(runs.largest))
             positions = torch.where(real.to(position_ids.device), position_ids, top)
             found = _call_with(original, x, positions, top, args, kwargs)
             out = tuple(found) if len(found) > 1 else found[0]

@@ -12,10 +12,16 @@ is at least 1, so the ratio is well defined; in float32 the result equals each d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hf_longctx.data.layout import layout_indices
 from hf_longctx.sequence.documents import index_in_document
+
+if TYPE_CHECKING:
+    from hf_longctx.attention.kernels import SequenceContext
+    from hf_longctx.distributed.groups import SequenceParallelGroups
 
 
 def _scale(index: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
@@ -28,21 +34,23 @@ def scales_query_by_index(module: torch.nn.Module) -> bool:
 
 
 def document_scaled_query(
-    module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor, layout: str, sp_rank: int, sp_world_size: int
+    module: torch.nn.Module, query: torch.Tensor, context: SequenceContext, layout: str, groups: SequenceParallelGroups
 ) -> torch.Tensor:
     """`query` `[bs, heads, sl_l, d]` of this rank's tokens, scaled by each token's index in its own document.
 
     Args:
         module: the attention module (its `floor_scale`, `attn_scale`).
         query: as the module scaled it, by the index `arange(sl_l)` of the tokens it was given.
-        positions: `[bs or 1, sl]` global position ids of the whole batch (the forward's `SequenceContext`).
-        layout, sp_rank, sp_world_size: which tokens of the row this rank holds.
+        context: the forward's global positions (`position_ids` `[bs or 1, sl]`, the whole batch).
+        layout, groups: which tokens of the row this rank holds.
 
     Returns:
-        The rescaled query, in `query`'s dtype.
+        The rescaled query, in `query`'s dtype (`query` itself on one rank with one document per row).
     """
-    sl_l = query.shape[-2]
-    held = layout_indices(layout, sp_rank, sp_world_size, positions.shape[-1]).to(positions.device)
+    if not groups.sp_enabled and context.single_document:
+        return query
+    positions, sl_l = context.position_ids, query.shape[-2]
+    held = layout_indices(layout, groups.sp_rank, groups.sp_world_size, positions.shape[-1]).to(positions.device)
     index = index_in_document(positions)[:, held].to(query.device)  # [bs, sl_l]
     local = torch.arange(sl_l, device=query.device)
     ratio = (_scale(index, module) / _scale(local, module))[:, None, :, None]  # [bs, 1, sl_l, 1]

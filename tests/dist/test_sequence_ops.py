@@ -27,18 +27,27 @@ LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 SP_MOE = [f for f in router_loss_families() if f not in UNBUILT and f not in REFUSED_MIXERS]
 
 
-def _packed(g: torch.Generator, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+def _packed(g: torch.Generator, rows: list[list[int]], pad: int = 0) -> dict[str, torch.Tensor]:
+    """Rows of documents restarting their positions; with `pad`, the first row ends in `pad` padding tokens whose
+    positions are 0 (as TRL's collator pads `position_ids`), masked out by an attention mask."""
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row] + [torch.zeros(pad * (i == 0), dtype=torch.long)])
+                             for i, row in enumerate(rows)])  # fmt: skip
     ids = torch.randint(1, 128, positions.shape, generator=g)
     labels = ids.masked_fill((positions == 0) & (torch.arange(positions.shape[1]) > 0), -100)  # no loss across
-    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+    batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    if pad:
+        batch["attention_mask"] = torch.ones_like(ids)
+        batch["attention_mask"][0, -pad:] = 0
+    return batch
 
 
 def _batches(kind: str) -> list[dict[str, torch.Tensor]]:
     """ "padded": rows of 37 tokens, the second right-padded after 29; "packed": one row of documents of 20 and 17
     tokens; "long_short": a 37-token row (past the 32 / 16 native positions) then a 12-token one; "docs": packed
-    documents of 40, 36, 20 and 35 tokens (dynamic NTK, 32 native positions, grows, keeps, resets and grows again;
-    longrope's 16 native positions are crossed by all), then two rows of 30 + 17 and 12 + 35 (short and long)."""
+    documents of 40, 36, 20 and 35 tokens (dynamic NTK, 32 native positions: grows, keeps, resets and grows again;
+    longrope's 16 native positions are crossed by all), then rows of 36 + 5 padding and 35 + 6 (35 keeps 36's
+    frequencies: the padding resets nothing; 6 is short); "unpacked": rows of 34 + 6 padding (positions 0) and 40
+    (every row gets the batch's longest row's frequencies, as the run without SP gives them)."""
     g = torch.Generator().manual_seed(7)
 
     def row(n: int, bs: int = 1) -> dict[str, torch.Tensor]:
@@ -54,7 +63,9 @@ def _batches(kind: str) -> list[dict[str, torch.Tensor]]:
     if kind == "packed":  # no loss across the boundary (as DataCollatorWithFlattening marks it)
         return [_packed(g, [[20, 17]])]
     if kind == "docs":
-        return [_packed(g, [[40, 36, 20, 35]]), _packed(g, [[30, 17], [12, 35]])]
+        return [_packed(g, [[40, 36, 20, 35]]), _packed(g, [[36], [35, 6]], pad=5)]
+    if kind == "unpacked":
+        return [_packed(g, [[34], [40]], pad=6)]
     return [row(37), row(12)]
 
 
@@ -102,8 +113,12 @@ def _document_steps(model, batches) -> list[tuple[float, None, list[torch.Tensor
     for batch in batches:
         model.zero_grad()
         n, loss = _count(batch), 0.0
-        for ids, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"], strict=True):
-            bounds = [*torch.nonzero(document_starts(positions[None])[0]).flatten().tolist(), ids.numel()]
+        masks = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+        for ids, labels, positions, mask in zip(
+            batch["input_ids"], batch["labels"], batch["position_ids"], masks, strict=True
+        ):
+            real = int(mask.sum())  # right padding: no document of its own
+            bounds = [*torch.nonzero(document_starts(positions[None, :real])[0]).flatten().tolist(), real]
             for start, end in zip(bounds[:-1], bounds[1:], strict=True):
                 result = model(input_ids=ids[None, start:end], labels=labels[None, start:end], num_items_in_batch=n)
                 result.loss.backward()
@@ -185,7 +200,7 @@ def test_router_loss_sp4_packed_and_ring():
 def test_runtime_rope_and_temperature_sp2():
     cases = [(kind, "ulysses", batches) for kind in ("dynamic", "longrope") for batches in ("long_short", "docs")]
     cases += [("temperature", backend, "padded") for backend in ("ulysses", "ring")]
-    cases += [("temperature", "ulysses", "docs"), ("dynamic", "ring", "docs")]
+    cases += [("temperature", "ulysses", "docs"), ("dynamic", "ring", "docs"), ("dynamic", "ulysses", "unpacked")]
     # Exact as is: Ministral 3 scales queries from the (global) position ids the attention is given.
     cases += [("position_scale", backend, "packed") for backend in ("ulysses", "ring")]
     _check(cases, 2, single_rank=True)

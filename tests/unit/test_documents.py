@@ -40,7 +40,7 @@ def test_document_runs_cover_every_token_once_in_document_order(layout, world):
         view = ShardView.build(positions, layout, rank, world, length)
         runs = document_runs(view)
         # Runs: (5, 5) merged, 3, 6, then the next row's (4, 4), 11: the largest real position of each.
-        assert runs.largest == [4, 2, 5, 3, 10]
+        assert runs.largest == [4, 2, 5, 3, 10] and runs.packed
         flat = torch.cat(runs.tokens).sort().values
         assert torch.equal(flat, torch.arange(2 * view.local_index.numel()))
         assert torch.equal(runs.real, (view.local_index < length).repeat(2))
@@ -49,6 +49,17 @@ def test_document_runs_cover_every_token_once_in_document_order(layout, world):
             real = runs.real[tokens]
             assert bool((held[tokens][real] <= largest).all())
             assert torch.equal(tokens, tokens.sort().values)  # sequence order within a run
+
+
+def test_one_token_documents_join_the_run_before():
+    # Padding whose positions restart at 0 (TRL's collator): one-token documents, no run of their own.
+    positions = torch.tensor([[0, 0, 1, 2, 0, 0], [0, 1, 2, 3, 0, 0]])
+    runs = document_runs(ShardView.build(positions, "contiguous", 0, 1, None))
+    assert runs.largest == [2, 3] and not runs.packed  # one document of several tokens per row: unpacked rows
+    assert [t.tolist() for t in runs.tokens] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    runs = document_runs(ShardView.build(torch.tensor([[0, 1, 0, 0, 1, 2, 0]]), "contiguous", 0, 1, None))
+    assert runs.largest == [1, 2] and runs.packed
+    assert [t.tolist() for t in runs.tokens] == [[0, 1, 2], [3, 4, 5, 6]]
 
 
 def _rotary(kind: str):
