@@ -28,7 +28,10 @@ def _config(kind: str):
     if kind == "longrope":
         rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.5] * 8,
                 "original_max_position_embeddings": 16, "rope_theta": 10000.0}  # fmt: skip
-        return Phi3Config(**_COMMON, max_position_embeddings=64, rope_parameters=rope)
+        # Phi3Config reads the native length from its own field (default 4096), not from rope_parameters.
+        return Phi3Config(
+            **_COMMON, max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters=rope
+        )
     if kind == "temperature":
         # Layer 0 has no RoPE and the temperature (scale changes every 4 positions), layer 1 RoPE.
         return Llama4TextConfig(

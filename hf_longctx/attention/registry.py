@@ -46,7 +46,7 @@ from hf_longctx.distributed.ring_comm import ring_of
 from hf_longctx.multimodal.vision import install_vision_hooks
 from hf_longctx.sequence import SequenceOps, ShardView, label_kind
 from hf_longctx.sequence.refusals import check_sequence_ops
-from hf_longctx.sequence.temperature import globally_scaled_query, scales_query_by_index
+from hf_longctx.sequence.temperature import document_scaled_query, scales_query_by_index
 
 logger = logging.getLogger(__name__)
 
@@ -318,10 +318,8 @@ def enable_sequence_parallel(
             kernel = kernels[type(module)] = _compat.resolve_kernel(kernel_name, module)
         if context is None:  # single process, a forward left to the model (generation)
             return kernel(module, query, key_, value, attention_mask, **kwargs)
-        if groups.sp_enabled and scales_query_by_index(module):  # Llama 4's temperature, by index in the row
-            query = globally_scaled_query(
-                module, query, sp.layout, groups.sp_rank, groups.sp_world_size, context.position_ids.shape[1]
-            )
+        if scales_query_by_index(module):  # Llama 4's temperature, by each token's index in its own document
+            query = document_scaled_query(module, query, context, sp.layout, groups)
         if ring_attention_kwargs is not None:
             return hybrid_attention(module, query, key_, value, context=context, **ring_attention_kwargs, **kwargs)
         call = {"kernel": kernel, "kernel_name": kernel_name, "family": family, "context": context, "groups": groups}

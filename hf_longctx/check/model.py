@@ -264,9 +264,10 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
 
     The model builds its own masks (causal, sliding window, chunked), so SP is compared with what
     the model itself computes, not with the library's single-rank path. A packed row is run as
-    separate documents, each with positions from 0, and the logits are concatenated: the ground
-    truth packing stands for, whether or not the model's own mask code detects packed rows (some
-    ignore `position_ids` and would attend across documents).
+    separate documents, each with positions from 0, row after row in order, and the logits are concatenated:
+    the ground truth packing stands for, whether or not the model's own mask code detects packed rows (some
+    ignore `position_ids` and would attend across documents), with each document's own run-time RoPE and
+    attention temperature (a dynamic RoPE's state moves on from one document to the next, as run alone).
     """
     from hf_longctx.data.sharding import document_starts, shard_batch_for_rank
     from hf_longctx.distributed.groups import SequenceParallelGroups
@@ -282,13 +283,18 @@ def reference_step(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
         return StepResult(loss.item(), take_grads(model), weights_sha256(model))
     ids, pos, shift_labels = full["input_ids"], full["position_ids"], full["shift_labels"]
     starts = document_starts(pos)
-    if not bool((starts == starts[:1]).all()):
-        raise ValueError("reference_step: every row must share one document layout (see make_batch).")
-    bounds = [*torch.nonzero(starts[0]).flatten().tolist(), ids.shape[1]]
     model.zero_grad(set_to_none=True)
-    segments = zip(bounds[:-1], bounds[1:], strict=True)
-    outputs = [model(input_ids=ids[:, s:e], position_ids=pos[:, s:e]) for s, e in segments]
-    logits = torch.cat([output.logits for output in outputs], dim=1)
+    if not bool(starts[:, 1:].any()):  # one document per row: the rows together, as the model trains on them
+        outputs = [model(input_ids=ids, position_ids=pos)]
+        logits = outputs[0].logits
+    else:
+        outputs, rows = [], []
+        for row in range(ids.shape[0]):
+            bounds = [*torch.nonzero(starts[row]).flatten().tolist(), ids.shape[1]]
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+                outputs.append(model(input_ids=ids[row : row + 1, s:e], position_ids=pos[row : row + 1, s:e]))
+            rows.append(torch.cat([output.logits for output in outputs[-(len(bounds) - 1) :]], dim=1))
+        logits = torch.cat(rows, dim=0)
     loss = sequence_parallel_loss(logits, shift_labels, SequenceParallelGroups.single())
     loss = loss + reference_router_term(model, outputs)
     loss.backward()

@@ -1,8 +1,9 @@
 """What `hf-longctx check` adds for the computations a model makes over the whole sequence outside attention.
 
 The check compares the whole loss the model trains on: the token loss plus its MoE router loss, with the router
-loss switched on (`output_router_logits`), and runs RoPE whose frequencies change at run time (dynamic NTK,
-longrope) past the native length the shrunk copy is given, so the rescaled frequencies are exercised.
+loss switched on (`output_router_logits`); it runs RoPE whose frequencies change at run time (dynamic NTK,
+longrope) past the native length the shrunk copy is given, and Llama 4's attention temperature with a floor scale
+the rows cross, so the rescaled frequencies and query scales are exercised, also in every packed document.
 """
 
 from __future__ import annotations
@@ -17,23 +18,32 @@ from hf_longctx.sequence.router_source import FLAG, router_loss_source
 
 
 def switch_on_sequence_ops(text: Any, seq_len: int) -> list[str]:
-    """Turn on the router loss and let the rows cross a run-time RoPE's native length in the (shrunk) text config."""
+    """Turn on the router loss and let the rows, and each of the three documents of a packed row, cross a run-time
+    RoPE's native length and the attention temperature's floor scale in the (shrunk) text config."""
     notes = []
     if hasattr(text, FLAG) and not getattr(text, FLAG):
         setattr(text, FLAG, True)
         notes.append(f"{FLAG} False -> True (the router loss is part of the compared loss)")
+    floor = max(2, seq_len // 16)
+    if getattr(text, "attn_temperature_tuning", False) and getattr(text, "floor_scale", 0) > floor:
+        notes.append(f"attention temperature: floor_scale {text.floor_scale} -> {floor} (the rows cross it)")
+        text.floor_scale = floor
     params = getattr(text, "rope_parameters", None) or {}
     variants = params.values() if params and all(isinstance(v, Mapping) for v in params.values()) else [params]
-    half = max(4, seq_len // 2)
+    native = max(4, seq_len // 4)  # below a third of the row: each packed document crosses it too
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     for rope in variants:
         kind = rope.get("rope_type", "") if isinstance(rope, Mapping) else ""
-        if "dynamic" in kind and text.max_position_embeddings > half:
-            notes.append(f"dynamic RoPE: native positions {text.max_position_embeddings} -> {half} (the rows cross it)")
-            text.max_position_embeddings = half
+        if "dynamic" in kind and text.max_position_embeddings > native:
+            notes.append(
+                f"dynamic RoPE: native positions {text.max_position_embeddings} -> {native} (the rows cross it)"
+            )
+            text.max_position_embeddings = native
         if kind == "longrope":
-            notes.append(f"longrope: original positions {rope.get('original_max_position_embeddings')} -> {half}")
-            rope["original_max_position_embeddings"] = half
+            notes.append(f"longrope: original positions {rope.get('original_max_position_embeddings')} -> {native}")
+            rope["original_max_position_embeddings"] = native
+            if getattr(text, "original_max_position_embeddings", None) is not None:
+                text.original_max_position_embeddings = native  # Phi-3 reads its own field back over rope_parameters
             width = int(head_dim * rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))) // 2
             for key in ("short_factor", "long_factor"):
                 factors = rope.get(key)

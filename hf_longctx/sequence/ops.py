@@ -63,8 +63,9 @@ class SequenceOps:
         self.router = RouterLoss.attach(base)
         # Router logits recorded by a family whose forward adds no router loss (Llama 4, DeepSeek-V3, ...).
         self.loss_free_routers = self.router is None and groups.sp_enabled and bool(router_modules(base))
-        # With one rank the rotary module sees the whole sequence already, and the head its whole row.
-        self.rope = patch_runtime_rope(base, lambda: self.view, groups) if groups.sp_enabled else []
+        # Also with one rank: a packed row must give each document its own frequencies.
+        self.rope = patch_runtime_rope(base, lambda: self.view)
+        # With one rank the head sees its whole row already.
         self.head = _head_loss(base, groups) if groups.sp_enabled else None
         self.adapters = AdapterTerms.attach(model, groups)  # AdaLoRA's regulariser, shared over the group
 
@@ -102,6 +103,7 @@ class SequenceOps:
         """At a forward's end (also after an exception: `output` None). Returns the output to use instead of the
         model's (its head's loss taken over the whole row), or None to keep it."""
         self.view = None
+        self.rope.end_forward()
         if self.adapters is not None:
             self.adapters.finish()
         replaced = None if self.head is None else self.head.finish(output)
@@ -120,6 +122,4 @@ class SequenceOps:
     def remove(self) -> None:
         if self.router is not None:
             self.router.remove()
-        for patch in self.rope:
-            patch.remove()
-        self.rope.clear()
+        self.rope.remove()

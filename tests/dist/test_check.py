@@ -134,8 +134,10 @@ def sequence_ops_config(kind: str):
 )
 def test_router_loss_and_runtime_rope_are_checked(tmp_path, capsys, kind, note):
     """The whole loss (token + router loss) is compared, and dynamic RoPE runs past its native length: both
-    printed PASS before hf_longctx.sequence although SP was off by 8e-4 (loss) and 0.7 (gradients)."""
-    extra = ["--batch-size", "2"] if kind == "qwen3_vl_moe" else []
+    printed PASS before hf_longctx.sequence although SP was off by 8e-4 (loss) and 0.7 (gradients). Dynamic RoPE
+    on two packed rows: each document crosses the native length and is compared with it run alone, row by row
+    (FAIL with the batch's longest document's frequencies for all)."""
+    extra = {"qwen3_vl_moe": ["--batch-size", "2"], "dynamic": ["--batch-size", "2", "--packed"]}.get(kind, [])
     folder = write_config(tmp_path, sequence_ops_config(kind))
     code, out = run_check(capsys, "--model", str(folder), "--sp", "2", *extra)
     assert code == 0, out
