@@ -12,7 +12,7 @@ is at least 1, so the ratio is well defined; in float32 the result equals each d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,8 +20,14 @@ from hf_longctx.data.layout import layout_indices
 from hf_longctx.sequence.documents import index_in_document
 
 if TYPE_CHECKING:
-    from hf_longctx.attention.kernels import SequenceContext
     from hf_longctx.distributed.groups import SequenceParallelGroups
+
+
+class GlobalPositions(Protocol):
+    """What the attention layer knows of the forward (its `attention.kernels.SequenceContext`, a layer above)."""
+
+    position_ids: torch.Tensor  # [bs or 1, sl] global positions of the whole batch
+    single_document: bool  # one document per row
 
 
 def _scale(index: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
@@ -34,7 +40,7 @@ def scales_query_by_index(module: torch.nn.Module) -> bool:
 
 
 def document_scaled_query(
-    module: torch.nn.Module, query: torch.Tensor, context: SequenceContext, layout: str, groups: SequenceParallelGroups
+    module: torch.nn.Module, query: torch.Tensor, context: GlobalPositions, layout: str, groups: SequenceParallelGroups
 ) -> torch.Tensor:
     """`query` `[bs, heads, sl_l, d]` of this rank's tokens, scaled by each token's index in its own document.
 
