@@ -296,11 +296,19 @@ def generation_job(rank: int, world_size: int, out_dir: str) -> dict[str, str | 
 
 
 def worker(
-    rank: int, world_size: int, out_dir: str, loss: bool, run_sp: int, names: list[str], checks: bool = False
+    rank: int,
+    world_size: int,
+    out_dir: str,
+    loss: bool,
+    run_sp: int,
+    names: list[str],
+    checks: bool = False,
+    whole: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The loss jobs at SP = the world size (with `loss`: plain and `LORA_RING`), the generation checks (with
-    `checks`), then each named run of `RUNS` / `DP_RUNS` at `run_sp` (1: without SP). A run that raises on every
-    rank alike reports its error and the next one runs."""
+    `checks`), the runs of `RUNS` named in `whole` at SP = the world size (results under "<name>@sp<world>"), then
+    each named run of `RUNS` / `DP_RUNS` at `run_sp` (1: without SP). A run that raises on every rank alike reports
+    its error and the next one runs."""
     results: dict[str, Any] = {}
     if loss:
         results["loss"] = loss_job(rank, world_size, out_dir)
@@ -308,9 +316,10 @@ def worker(
     if checks:
         results["generation"] = generation_job(rank, world_size, out_dir)
     specs = {**RUNS, **DP_RUNS}
-    for name in names:
+    runs = [(f"{name}@sp{world_size}", name, world_size) for name in whole] + [(name, name, run_sp) for name in names]
+    for key, name, sp in runs:
         try:
-            results[name] = train(os.path.join(out_dir, name), run_sp, specs[name])
+            results[key] = train(os.path.join(out_dir, key), sp, specs[name])
         except ValueError:
-            results[name] = {"error": traceback.format_exc()}
+            results[key] = {"error": traceback.format_exc()}
     return results

@@ -208,8 +208,11 @@ def sp_job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
 
 
 def dp_job(rank: int, world_size: int, out_dir: str, sp: int) -> dict[str, Any]:
-    """`DP_RUNS` at `sp` (world 2, sp 1: DP=2; world 4, sp 2: DP=2 x SP=2); at world 4 first the loss passes at
-    SP=4 (DDP), before the ZeRO-3 run resets accelerate's state."""
-    result = {"loss": loss_job(rank, world_size, out_dir)} if world_size == 4 else {}
+    """`DP_RUNS` at `sp` (world 2, sp 1: DP=2; world 4, sp 2: DP=2 x SP=2); at world 4 first the loss passes and
+    the `combined` run at SP=4 (DDP), before the ZeRO-3 run resets accelerate's state."""
+    result = {}
+    if world_size == 4:
+        result["loss"] = loss_job(rank, world_size, out_dir)
+        result["sp4"] = T.runs_job(rank, world_size, os.path.join(out_dir, "sp4"), 4, ["combined"], RUNS)
     result["runs"] = T.runs_job(rank, world_size, os.path.join(out_dir, "runs"), sp, list(DP_RUNS), DP_RUNS)
     return result

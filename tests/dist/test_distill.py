@@ -31,10 +31,12 @@ def out_root(tmp_path_factory: pytest.TempPathFactory):
     return tmp_path_factory.mktemp("distill")
 
 
-def _spawn(out_root, world: int, loss: bool, run_sp: int, names: list[str], checks: bool = False) -> list[dict]:
+def _spawn(
+    out_root, world: int, loss: bool, run_sp: int, names: list[str], checks: bool = False, whole: tuple[str, ...] = ()
+) -> list[dict]:
     path = str(out_root / f"w{world}_sp{run_sp}")
-    key = ("distill", world, loss, run_sp, tuple(names), checks)
-    return U.spawn_once(key, J.worker, world, path, loss, run_sp, names, checks, timeout=TIMEOUT_S[world])
+    key = ("distill", world, loss, run_sp, tuple(names), checks, whole)
+    return U.spawn_once(key, J.worker, world, path, loss, run_sp, names, checks, whole, timeout=TIMEOUT_S[world])
 
 
 def _reference(out_root) -> dict:
@@ -147,15 +149,24 @@ def test_generation_checks_and_refusals(out_root) -> None:
 
 @pytest.mark.slow
 def test_sp4_loss_and_dp2_sp2_zero3_train(out_root, record_property) -> None:
-    """One 4-process spawn: the loss job at SP=4 (shards of 4 tokens: rows over 1 to 3 ranks) against one process,
-    then DP=2 x SP=2 with ZeRO-3 (student and teacher) and accumulation 2 against DP=2 on 2 processes: each SP group
-    trains like the DP rank it stands for."""
+    """One 4-process spawn: the loss job at SP=4 (shards of 4 tokens: rows over 1 to 3 ranks) and the `RUNS` at SP=4
+    against one process, then DP=2 x SP=2 with ZeRO-3 (student and teacher) and accumulation 2 against DP=2 on 2
+    processes: each SP group trains like the DP rank it stands for."""
     names = list(J.DP_RUNS)
-    ranks = _spawn(out_root, 4, True, 2, names)
+    ranks = _spawn(out_root, 4, True, 2, names, whole=tuple(J.RUNS))
     worst = {}
     for job in ("loss", "loss_lora_ring"):
         worst[job] = _assert_same_losses(ranks, _reference(out_root), job)
     _assert_shard_coverage(ranks, lambda rank: rank["loss"]["shards"])
+    for run in J.RUNS:
+        for rank in ranks:
+            result = rank[f"{run}@sp4"]
+            assert "error" not in result, result["error"]
+            for key, diff in _assert_same_run(result, _reference(out_root)[run]).items():
+                worst[f"{run}@sp4"] = {
+                    **worst.get(f"{run}@sp4", {}),
+                    key: max(worst.get(f"{run}@sp4", {}).get(key, 0.0), diff),
+                }
     ref = _spawn(out_root, 2, False, 1, names)
     for name in names:
         # The two DP ranks sample with different RNG streams: different completions.
