@@ -108,3 +108,17 @@ def test_runtime_rope_gives_each_document_its_own_frequencies(kind, layout, worl
         assert getattr(module, "max_seq_len_cached", None) == getattr(alone, "max_seq_len_cached", None)
         patched.remove()
         assert "forward" not in vars(module)
+
+
+def test_the_longrope_fixtures_switch_to_their_long_factors():
+    """Past 16 positions the test models' longrope runs its long factors (the Phi-3 fixture once read 4096 native
+    positions from `Phi3Config`'s own field and never switched, so every longrope case compared two identical
+    computations)."""
+    from tests._sequence_models import sequence_model
+
+    for rotary in (_rotary("longrope"), sequence_model("longrope").model.rotary_emb):
+        short = rotary.inv_freq.clone()
+        cos, _ = rotary(torch.zeros(1), torch.arange(40)[None])
+        assert not torch.equal(rotary.inv_freq, short)
+        long, _ = rotary(torch.zeros(1), torch.arange(40)[None])
+        assert torch.equal(cos, long)  # the long factors stay for a row past the native length
