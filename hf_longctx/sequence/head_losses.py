@@ -20,6 +20,7 @@ its end (`finish`) it returns the model's output with the loss a run without SP 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,6 +51,14 @@ class _GroupLogSumExp(torch.autograd.Function):
         return grad * weight * ctx.grad_scale, None, None
 
 
+LossTerm = Callable[[torch.Tensor], torch.Tensor]
+"""What an adapter adds to the loss a model returns (AdaLoRA's regulariser: `adapter_terms.py`)."""
+
+
+def _plus(loss: torch.Tensor, term: LossTerm | None) -> torch.Tensor:
+    return loss if term is None else term(loss)
+
+
 def _with_loss(output: Any, loss: torch.Tensor) -> Any:
     """`output` with `loss` first, as the model returns it when it computes one (a ModelOutput or a tuple)."""
     if isinstance(output, tuple):
@@ -65,8 +74,8 @@ def _with_loss(output: Any, loss: torch.Tensor) -> Any:
 class TokenClassificationLoss:
     """Per-token labels, each SP rank's summed cross-entropy over its group's labelled-token count / P."""
 
-    def __init__(self, groups: SequenceParallelGroups) -> None:
-        self.groups = groups
+    def __init__(self, groups: SequenceParallelGroups, term: LossTerm | None = None) -> None:
+        self.groups, self.term = groups, term
         self.labels: torch.Tensor | None = None
 
     def begin(self, kwargs: dict[str, Any], view: ShardView) -> None:
@@ -84,14 +93,14 @@ class TokenClassificationLoss:
         count = all_reduce_sum((labels != IGNORE_INDEX).sum().to(torch.float64), self.groups.sp_group)
         # A group without any label gives 0 with zero gradients (transformers' mean would be NaN).
         per_rank = count.clamp(min=1) / self.groups.sp_world_size
-        return _with_loss(output, summed / per_rank.to(summed.device))
+        return _with_loss(output, _plus(summed / per_rank.to(summed.device), self.term))
 
 
 class QuestionAnsweringLoss:
     """Start / end cross-entropy over the whole row's positions, whole on every SP rank."""
 
-    def __init__(self, groups: SequenceParallelGroups) -> None:
-        self.groups = groups
+    def __init__(self, groups: SequenceParallelGroups, term: LossTerm | None = None) -> None:
+        self.groups, self.term = groups, term
         self.targets: tuple[torch.Tensor, torch.Tensor] | None = None
         self.view: ShardView | None = None
         self.num_items: Any = None
@@ -111,7 +120,7 @@ class QuestionAnsweringLoss:
             start_logits, end_logits = output["start_logits"], output["end_logits"]
         start = self._cross_entropy(start_logits, targets[0], view)
         end = self._cross_entropy(end_logits, targets[1], view)
-        return _with_loss(output, (start + end) / 2)
+        return _with_loss(output, _plus((start + end) / 2, self.term))
 
     def _cross_entropy(self, logits: torch.Tensor, positions: torch.Tensor, view: ShardView) -> torch.Tensor:
         """`fixed_cross_entropy` of `[bs, sl_l]` position logits against global `positions` `[bs]`."""

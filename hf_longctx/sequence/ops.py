@@ -19,6 +19,7 @@ from hf_longctx.sequence.adapter_terms import AdapterTerms
 from hf_longctx.sequence.head_losses import QuestionAnsweringLoss, TokenClassificationLoss
 from hf_longctx.sequence.heads import QUESTION_ANSWERING, TOKEN_CLASSIFICATION, head_of
 from hf_longctx.sequence.neftune import neftune_hook
+from hf_longctx.sequence.peft_positions import keep_position_ids
 from hf_longctx.sequence.rope import patch_runtime_rope
 from hf_longctx.sequence.router_loss import RouterLoss
 from hf_longctx.sequence.router_source import FLAG, router_modules
@@ -43,13 +44,7 @@ def token_weights(kwargs: dict[str, Any], view: ShardView) -> torch.Tensor:
     return weights.reshape(-1)
 
 
-def _head_loss(model: torch.nn.Module, groups: SequenceParallelGroups) -> Any:
-    kind = head_of(model)[0]
-    if kind == TOKEN_CLASSIFICATION:
-        return TokenClassificationLoss(groups)
-    if kind == QUESTION_ANSWERING:
-        return QuestionAnsweringLoss(groups)
-    return None
+_HEAD_LOSSES = {TOKEN_CLASSIFICATION: TokenClassificationLoss, QUESTION_ANSWERING: QuestionAnsweringLoss}
 
 
 class SequenceOps:
@@ -66,8 +61,12 @@ class SequenceOps:
         # Also with one rank: a packed row must give each document its own frequencies.
         self.rope = patch_runtime_rope(base, lambda: self.view)
         # With one rank the head sees its whole row already.
-        self.head = _head_loss(base, groups) if groups.sp_enabled else None
-        self.adapters = AdapterTerms.attach(model, groups)  # AdaLoRA's regulariser, shared over the group
+        head_loss = _HEAD_LOSSES.get(head_of(base)[0]) if groups.sp_enabled else None
+        # AdaLoRA's regulariser: shared over the group, or added to the loss of a head computed here.
+        self.adapters = AdapterTerms.attach(model, groups, shared=head_loss is None)
+        term = self.adapters.add_to if self.adapters is not None and head_loss is not None else None
+        self.head = None if head_loss is None else head_loss(groups, term)
+        self.undo_positions = keep_position_ids(model)  # PEFT's QA wrapper drops them
 
     @property
     def needs_view(self) -> bool:
@@ -123,3 +122,5 @@ class SequenceOps:
         if self.router is not None:
             self.router.remove()
         self.rope.remove()
+        for undo in self.undo_positions:
+            undo()

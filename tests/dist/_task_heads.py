@@ -29,18 +29,20 @@ def task_model(arch: str, head: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def adapter_model(kind: str) -> torch.nn.Module:
+def adapter_model(kind: str, head: str = "causal") -> torch.nn.Module:
     """A tiny Llama with an AdaLoRA ("adalora", orthogonal regulariser weight 0.5) or LLaMA-Adapter ("adaption")
-    adapter, its trainable weights perturbed so the regulariser and the prompt gate are not at their zero init."""
+    adapter, its trainable weights perturbed so the regulariser and the prompt gate are not at their zero init.
+    `head`: "causal" (a causal LM), "token" or "qa" (AdaLoRA on a token-classification or QA head)."""
     from peft import AdaLoraConfig, AdaptionPromptConfig, get_peft_model
 
     from tests._models import tiny_model
 
-    base = tiny_model("llama")
+    base = tiny_model("llama") if head == "causal" else task_model("llama", head)
     if kind == "adalora":
+        task = {"causal": "CAUSAL_LM", "token": "TOKEN_CLS", "qa": "QUESTION_ANS"}[head]
         config = AdaLoraConfig(
             r=4, init_r=4, target_r=2, target_modules=["q_proj", "v_proj"], total_step=10, orth_reg_weight=0.5,
-            task_type="CAUSAL_LM",
+            task_type=task,
         )  # fmt: skip
     else:
         config = AdaptionPromptConfig(adapter_len=4, adapter_layers=2, task_type="CAUSAL_LM")

@@ -5,7 +5,8 @@ gradient averaged over the SP group (what a data-parallel engine does) equal the
 and 4, Ulysses and ring, on padded, packed and QA batches whose answers sit on either side of the shard boundaries.
 Before hf_longctx knew these heads (26f0ae5) token classification trained on the next token's tag and QA took the
 softmax over each rank's shard with global answer indices read as local ones; AdaLoRA's orthogonal regulariser was
-added by every rank (P times); LLaMA-Adapter is exact as is (a guard).
+added by every rank (P times), and on a token-classification or QA head not at all (the head's loss is computed
+after PEFT's forward); PEFT's QA wrapper dropped `position_ids`; LLaMA-Adapter is exact as is (a guard).
 
 Through the stock `Trainer` (SP=2 on 2 processes against plain DDP on the same 2 processes, which is what a user
 compares with): per-step loss and grad_norm, and the evaluation loss. The generic token-classification head
@@ -24,17 +25,30 @@ from tests.dist import _task_heads as H
 
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 CASES = {
-    2: [("llama", "token", "ulysses"), ("mistral", "qa", "ring"), ("llama", "adalora", "ulysses")],
+    2: [
+        ("llama", "token", "ulysses"),
+        ("mistral", "qa", "ring"),
+        ("llama", "adalora", "ulysses"),
+        ("llama", "adalora-token", "ulysses"),
+        ("llama", "adalora-qa", "ring"),
+    ],
     4: [("qwen3", "token", "ring"), ("llama", "qa", "ulysses"), ("llama", "adaption", "ring")],
 }
 
 
 def _build(arch: str, kind: str) -> torch.nn.Module:
-    return H.task_model(arch, kind) if kind in ("token", "qa") else H.adapter_model(kind)
+    if kind in ("token", "qa"):
+        return H.task_model(arch, kind)
+    adapter, _, head = kind.partition("-")  # "adalora-token": AdaLoRA on a token-classification head
+    return H.adapter_model(adapter, head or "causal")
+
+
+def _head(kind: str) -> str:
+    return kind.rpartition("-")[2]
 
 
 def _batches(kind: str) -> list[dict[str, torch.Tensor]]:
-    return {"token": H.token_batches, "qa": H.qa_batches}.get(kind, H.causal_batches)()
+    return {"token": H.token_batches, "qa": H.qa_batches}.get(_head(kind), H.causal_batches)()
 
 
 def _steps(model: torch.nn.Module, kind: str, groups=None) -> list[tuple[float, list[torch.Tensor]]]:
@@ -52,7 +66,7 @@ def _steps(model: torch.nn.Module, kind: str, groups=None) -> list[tuple[float, 
     for batch in _batches(kind):
         model.zero_grad()
         inputs = dict(batch if groups is None else hf_longctx.shard_batch(batch, groups))
-        if kind not in ("token", "qa"):
+        if _head(kind) not in ("token", "qa"):
             ids = batch["input_ids"]
             positions = document_positions(batch, ids.shape[0], ids.shape[1], ids.device)
             shifted = make_shift_labels(batch["labels"], positions, batch.get("attention_mask"))
@@ -65,7 +79,7 @@ def _steps(model: torch.nn.Module, kind: str, groups=None) -> list[tuple[float, 
         if groups is not None:
             for t in values:
                 dist.all_reduce(t, group=groups.sp_group)
-                if kind in ("token", "qa"):
+                if _head(kind) in ("token", "qa"):
                     t /= groups.sp_world_size
         out.append((float(values[0]), values[1:]))
     return out
