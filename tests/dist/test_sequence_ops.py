@@ -43,7 +43,9 @@ def _packed(g: torch.Generator, rows: list[list[int]], pad: int = 0) -> dict[str
 
 def _batches(kind: str) -> list[dict[str, torch.Tensor]]:
     """ "padded": rows of 37 tokens, the second right-padded after 29; "packed": one row of documents of 20 and 17
-    tokens; "long_short": a 37-token row (past the 32 / 16 native positions) then a 12-token one; "docs": packed
+    tokens; "long_short": a 37-token row (past the 32 / 16 native positions), a 30-token one (past longrope's 16
+    while each SP=2 shard holds 15 positions at most: the first rank's alone would keep the short factors), then a
+    12-token one; "docs": packed
     documents of 40, 36, 20 and 35 tokens (dynamic NTK, 32 native positions: grows, keeps, resets and grows again;
     longrope's 16 native positions are crossed by all), then rows of 36 + 5 padding and 35 + 6 (35 keeps 36's
     frequencies: the padding resets nothing; 6 is short); "unpacked": rows of 34 + 6 padding (positions 0) and 40
@@ -66,7 +68,7 @@ def _batches(kind: str) -> list[dict[str, torch.Tensor]]:
         return [_packed(g, [[40, 36, 20, 35]]), _packed(g, [[36], [35, 6]], pad=5)]
     if kind == "unpacked":
         return [_packed(g, [[34], [40]], pad=6)]
-    return [row(37), row(12)]
+    return [row(37), row(30), row(12)]
 
 
 def _count(batch: dict[str, torch.Tensor]) -> int:
