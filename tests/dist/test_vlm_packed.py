@@ -1,9 +1,10 @@
 """Packed and padding-free rows of Qwen2.5-VL / Qwen3-VL under SP are exact (`hf_longctx/multimodal/mrope.py`).
 
-transformers 5.25 computes mRoPE positions per row, so its own run of a packed row is no reference (see
-`tests/unit/test_mrope.py`, which also shows that the per-document positions give each document its logits
-alone). The reference here is the plain model (no hf_longctx) on the same packed batch with those per-document
-positions: the loss and every parameter's gradient at SP=2 (Ulysses, ring) and SP=4 (Ulysses). Images straddle
+transformers 5.25 computes mRoPE positions per row, so its own run of a packed row is no reference. The reference
+here is each document run alone through the plain model (no hf_longctx; its own mRoPE positions from its own image
+and video grids), the token losses summed over every document and divided by their count, as the packed batch
+counts them: the loss and every parameter's gradient at SP=2 (Ulysses, ring) and SP=4 (Ulysses). It shares no code
+with `hf_longctx.multimodal.mrope`. Images straddle
 the shard boundaries; one row has no attention_mask (padding-free), another case has two right-padded rows, and a
 third a padding-free row with an image and two videos across the boundaries.
 """
@@ -14,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_longctx.multimodal.mrope import document_rope_positions
 from tests._dist import run_distributed
 from tests.dist import _vlm as V
 from tests.dist import _vlm_packed as P
@@ -25,14 +25,18 @@ from tests.dist._trainer_utils import compare_logs
 BACKENDS = {2: ("ulysses", "ring"), 4: ("ulysses",)}
 
 
-def _reference(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
-    """The plain model on the packed batch with per-document positions (no attention_mask and no cache, so
-    transformers keeps the documents apart: its padding holds no label and comes last in its row)."""
+def _reference(arch: str, name: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """Each document of case `name` alone through the plain model: the summed token loss of all over their count
+    (a document's first token and its image / video tokens carry no label, as in the packed rows)."""
     model = V.build(arch)
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "attention_mask", "position_ids")}
-    positions = document_rope_positions(model.model, batch, batch["position_ids"])
-    logits = model(**inputs, position_ids=positions, use_cache=False).logits
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+    total, count = torch.zeros(()), 0
+    for doc in (doc for row in P.documents(arch)[name] for doc in row):
+        ids = doc["input_ids"]
+        labels = ids.masked_fill((ids == V.IMAGE) | (ids == V.VIDEO), -100)[0, 1:]
+        logits = model(**doc, use_cache=False).logits[0, :-1]
+        total = total + F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+        count += int((labels != -100).sum())
+    loss = total / count
     loss.backward()
     return loss.item(), V.all_grads(model)
 
@@ -40,7 +44,7 @@ def _reference(arch: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[s
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_packed_vlm_matches_single_process(world_size, record_property):
     results = run_distributed(V.cases_worker, world_size, V.ARCHS, BACKENDS[world_size], True, timeout=400)[0]
-    refs = {(arch, name): _reference(arch, batch) for arch in V.ARCHS for name, batch in P.cases(arch).items()}
+    refs = {(arch, name): _reference(arch, name) for arch in V.ARCHS for name in P.cases(arch)}
     assert len(results) == len(V.ARCHS) * len(BACKENDS[world_size]) * len(P.cases(V.ARCHS[0]))
     worst = V.compare_cases(results, refs)
     assert all(any(V.vision_parameter(k) and float(g.abs().max()) > 0 for k, g in grads.items())
