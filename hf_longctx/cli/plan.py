@@ -29,7 +29,10 @@ GENERIC_GPU = DeviceProfile("gpu", 0.0, DEVICES["h100"].runtime_gib, DEVICES["h1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `plan` subcommand's flags."""
     parser.add_argument(
-        "--model", required=True, help=f"config.json, a model folder, or a shipped name ({shipped_model_names()})"
+        "--model",
+        required=True,
+        help=f"config.json, a model folder, a shipped name ({shipped_model_names()}) or a Hub id (Org/Name: "
+        "the Hugging Face cache, else the Hub)",
     )
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (S)")
     parser.add_argument("--world", type=int, default=None, help="ranks in all (default: --sp)")

@@ -9,7 +9,10 @@ node whenever `sp_size` divides the number of GPUs per node.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -241,3 +244,27 @@ def local_world_size() -> int | None:
     """
     value = os.environ.get("LOCAL_WORLD_SIZE")
     return int(value) if value and value.isdigit() else None
+
+
+def host_id() -> int:
+    """This host as a non-negative int64 (a hash of its name): host names ride along in an all-gather of int64
+    tensors, so finding which ranks share a host costs no collective of its own."""
+    return int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "big")
+
+
+def all_to_all_across_hosts(hosts: Sequence[int], sp_size: int, ulysses_degree: int) -> list[list[int]]:
+    """The Ulysses groups (the ranks of one all-to-all) whose ranks run on more than one host (pure).
+
+    Args:
+        hosts: each global rank's host (`host_id()`), in rank order.
+        sp_size: the SP size.
+        ulysses_degree: ranks per all-to-all: `sp_size` for Ulysses, fewer for hybrid, 1 for ring (none).
+
+    Returns:
+        The global ranks of each such group, in `hybrid_rank_grid` order; empty when every all-to-all stays on one
+        host.
+    """
+    if ulysses_degree < 2:
+        return []
+    ulysses, _ = hybrid_rank_grid(len(hosts), sp_size, ulysses_degree)
+    return [ranks for ranks in ulysses if len({hosts[r] for r in ranks}) > 1]

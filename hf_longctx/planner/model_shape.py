@@ -1,9 +1,10 @@
 """The shape numbers of a decoder-only causal LM that its training memory depends on.
 
 `load_model_shape(name_or_path)` is the main entry: a local `config.json`, a model folder holding
-one, or a name shipped in `hf_longctx/data/model_configs` (`llama3.1-8b`, `qwen3-4b`). Only the
-config is read (no weights, no hub access); `ModelShape.from_config` maps the usual transformers
-config keys, including nested `text_config` and the common MoE names.
+one, a name shipped in `hf_longctx/data/model_configs` (`llama3.1-8b`, `qwen3-4b`), or a Hub model id
+(`Qwen/Qwen3-8B`: the Hugging Face cache, else the Hub). Only the config is read (no weights);
+`ModelShape.from_config` maps the usual transformers config keys, including nested `text_config` and
+the common MoE names.
 """
 
 from __future__ import annotations
@@ -242,10 +243,13 @@ def shipped_model_names() -> list[str]:
 
 
 def load_model_shape(name_or_path: str) -> ModelShape:
-    """The `ModelShape` of a shipped name, a `config.json` file or a folder holding one.
+    """The `ModelShape` of a `config.json` file, a folder holding one, a shipped name, or a Hub model id.
+
+    A Hub id's config.json comes from the Hugging Face cache first (no network), else from the Hub unless
+    `HF_HUB_OFFLINE` is set; `HF_HOME` / `HF_HUB_CACHE` / `HF_TOKEN` apply as in transformers.
 
     Raises:
-        ValueError: neither a shipped name nor a readable config (the message lists the names).
+        ValueError: none of these has a config.json (the message names each place tried and the fix).
     """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -256,10 +260,46 @@ def load_model_shape(name_or_path: str) -> ModelShape:
     if key in shipped_model_names():
         text = (files("hf_longctx") / "data" / SHIPPED_DIR / f"{key}.json").read_text()
         return ModelShape.from_config(json.loads(text), name=key)
+    found, tried = _hub_config(name_or_path)
+    if found is not None:
+        return ModelShape.from_config(json.loads(found.read_text()), name=name_or_path)
     raise ValueError(
-        f"--model {name_or_path!r} is neither a config.json, a folder holding one, nor a shipped name; "
-        f"shipped names: {shipped_model_names()} (no hub access: download config.json yourself)."
+        f"--model {name_or_path!r}: no config.json found. Tried: a local path ({path}: no such file); the shipped "
+        f"names {shipped_model_names()}; {'; '.join(tried)}. Fix: pass the path of the model's config.json (or of a "
+        "folder holding one), e.g. downloaded from the model's Hub page."
     )
+
+
+def _hub_config(repo_id: str) -> tuple[Path | None, list[str]]:
+    """A Hub model id's config.json from the cache, else from the Hub (config.json only), and what was tried.
+
+    huggingface_hub is imported here, not at the top: only Hub ids need it, and it takes longer to import than
+    the rest of the planner (it imports no torch or transformers either way).
+    """
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return None, ["not a Hub model id (Org/Name), so neither the Hugging Face cache nor the Hub"]
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):  # else None, or a marker that the Hub has no such file
+        return Path(cached), []
+    folder = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    tried = [f"the Hugging Face cache ({folder}: no snapshots/<refs/main>/config.json)"]
+    if constants.HF_HUB_OFFLINE:
+        return None, [*tried, "the Hub: not tried, HF_HUB_OFFLINE is set"]
+    try:
+        return Path(hf_hub_download(repo_id, "config.json")), tried
+    except GatedRepoError:
+        reason = "a gated model: accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)"
+    except RepositoryNotFoundError:
+        reason = "no such model, or a private one without a token (HF_TOKEN)"
+    except (OSError, EntryNotFoundError) as exc:  # unreachable (LocalEntryNotFoundError), no config.json, HTTP
+        reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    return None, [*tried, f"the Hub ({constants.ENDPOINT}: {reason})"]
 
 
 def _vision_shape(config: dict[str, Any]) -> VisionShape | None:

@@ -106,6 +106,7 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
     for page in _pages():
         built = tmp_path / ("index.html" if page.stem == "index" else f"{page.stem}/index.html")
         assert built.is_file(), built
+    assert 'href="stylesheets/extra.css"' in (tmp_path / "index.html").read_text(encoding="utf-8")  # wrapped code
     # images the pages embed from outside docs/ are copied into the site, e.g. the benchmark plots
     assert (tmp_path / "_repo" / "benchmarks" / "results" / "2026-12-01-memory-peak.png").is_file()
     config = _mkdocs_config()
@@ -160,6 +161,29 @@ def test_site_and_repository_addresses_are_set():
     assert re.match(r"^https://[^/]+/.*/$", config["site_url"]), "site_url: the published address, ending in /"
     assert re.match(r"^https://github\.com/[\w.-]+/[\w.-]+$", config["repo_url"]), config.get("repo_url")
     assert re.match(r"^blob/[\w.-]+/docs/$", config["edit_uri"]), "edit_uri: blob/<branch>/docs/ (the hook's links)"
+
+
+def test_code_blocks_wrap_instead_of_scrolling_out_of_sight():
+    """Material scrolls a long code line behind a thin scrollbar: at 1280 px the Home commands looked cut off."""
+    sheets = _mkdocs_config().get("extra_css") or []
+    rules = "".join((DOCS / sheet).read_text(encoding="utf-8") for sheet in sheets)
+    rule = re.search(r"\.md-typeset pre > code \{([^}]*)\}", rules)
+    assert rule and re.search(r"white-space:\s*pre-wrap", rule.group(1)), f"no wrapping rule in extra_css {sheets}"
+
+
+def test_home_clones_the_repository_and_its_tables_have_headers():
+    """Home's install starts from `git clone <repo_url>` (the site's repository link), no placeholder; no table of
+    any page has a header row with every cell empty."""
+    home = (DOCS / "index.md").read_text(encoding="utf-8")
+    assert f"git clone {_mkdocs_config()['repo_url']} && cd hf_longctx" in home
+    assert not re.search(r"<this repository>|<repo(sitory)?[ _-]?url>", home)
+    for page in _pages():
+        text = re.sub(r"^(```|~~~).*?^\1[ \t]*$", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+        lines = text.splitlines()
+        for i, line in enumerate(lines[1:], start=1):
+            if re.fullmatch(r"\|(\s*:?-{3,}:?\s*\|)+", line.strip()):
+                header = [cell.strip() for cell in lines[i - 1].strip().strip("|").split("|")]
+                assert any(header), f"{page.name}:{i}: a table header row with every cell empty"
 
 
 def test_readme_stays_short():

@@ -5,23 +5,27 @@
 attention, that its SP group has the configured size and that its batch is its 1/P share of each sequence. One
 all-gather over the job turns any rank's failure into the same `ValueError` on every rank (no rank enters an
 attention collective alone), then rank 0 logs one line: ranks and nodes, DP x SP, engine, backend, attention
-kernel, tokens per rank and memory flags. `check_config_applied` refuses, when the Trainer is built, arguments
-that ask for SP while the Trainer's accelerator carries none.
+kernel, tokens per rank and memory flags, and a warning when an all-to-all spans hosts (each rank's host rides in
+the same all-gather). `check_config_applied` refuses, when the Trainer is built, arguments that ask for SP while
+the Trainer's accelerator carries none.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hf_longctx.attention.backends import SPBackend
 from hf_longctx.attention.registry import SequenceParallelHandle
 from hf_longctx.data.consistency import SIGNATURE_KEY
 from hf_longctx.data.layout import pad_multiple
 from hf_longctx.distributed.comm import all_gather_stacked
+from hf_longctx.distributed.groups import all_to_all_across_hosts, host_id
 from hf_longctx.integrations.trainer.state import SequenceParallelState, sp_state
 from hf_longctx.memory.flags import MemoryHandle
 
@@ -92,11 +96,11 @@ def verify_first_step(trainer: Any, state: SequenceParallelState, model: torch.n
         code = OK  # a TRL trainer's SP path: whole rows here, sharded inside the model call (and checked there)
     else:
         code, local, full, want, rows = _share(inputs, sp_size, handle.backend.layout)
-    mine = torch.tensor([code, seen, local, full, want], dtype=torch.int64)
+    mine = torch.tensor([code, seen, local, full, want, host_id()], dtype=torch.int64)
     everyone = all_gather_stacked(mine, dist.group.WORLD).tolist()
     failed = [rank for rank, row in enumerate(everyone) if row[0] != OK]
     if failed:
-        code, seen, local, full, want = everyone[failed[0]]
+        code, seen, local, full, want, _ = everyone[failed[0]]
         why = _WHY[code].format(
             model=type(trained).__name__, seen=seen, sp_size=sp_size, local=local, full=full, want=want
         )
@@ -104,6 +108,28 @@ def verify_first_step(trainer: Any, state: SequenceParallelState, model: torch.n
     if dist.get_rank() == 0:
         # WARNING: the level Python and transformers show by default; this line is how a user sees SP is on.
         logger.warning("hf_longctx: %s", describe(trainer, state, handle, local, full, rows))
+        hosts = [row[5] for row in everyone]
+        spanning = all_to_all_across_hosts(hosts, sp_size, handle.backend.ulysses_degree)
+        if spanning:
+            logger.warning("hf_longctx: %s", _across_hosts(spanning, hosts, handle.backend, groups.ranks_per_node))
+
+
+def _across_hosts(spanning: list[list[int]], hosts: list[int], backend: SPBackend, ranks_per_node: int | None) -> str:
+    """Why an all-to-all across hosts is slow and the backend that keeps it inside one (the ring crosses them)."""
+    per_host = min(Counter(hosts).values())
+    if backend.name == "ulysses":
+        part = "the Ulysses SP group"
+    else:
+        part = f"the {backend.name} backend's Ulysses group (ulysses_degree={backend.ulysses_degree})"
+    first = spanning[0]
+    unknown = "" if ranks_per_node else " (auto needs LOCAL_WORLD_SIZE, which torchrun sets, to see the nodes)"
+    return (
+        f"the all-to-all of {part} spans hosts: ranks {first[0]}-{first[-1]} on "
+        f"{len({hosts[r] for r in first})} hosts ({len(spanning)} such group{'s' if len(spanning) > 1 else ''}), so "
+        "every attention layer's all-to-all crosses the network between nodes, much slower than inside one. Keep "
+        'it inside a host: sp_backend="auto" (Ulysses inside a node, ring across nodes), or sp_backend="hybrid" '
+        f"with a ulysses_degree that divides {per_host} (ranks per host){unknown}."
+    )
 
 
 def _handle_of(state: SequenceParallelState, model: torch.nn.Module) -> SequenceParallelHandle | None:
