@@ -47,7 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="ddp", help="data-parallel engine (default ddp)")
     parser.add_argument("--offload-optimizer", action="store_true", help="DeepSpeed optimizer states on the CPU")
     parser.add_argument("--offload-params", action="store_true", help="ZeRO-3 / FSDP2 parameters on the CPU")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="keep one hidden state per layer")
+    parser.add_argument(
+        "--activation-checkpointing",
+        "--gradient-checkpointing",  # the old name: transformers 5.25 deprecates it in TrainingArguments
+        dest="gradient_checkpointing",
+        action="store_true",
+        help="keep one hidden state per layer (TrainingArguments' activation_checkpointing; "
+        "--gradient-checkpointing is the old name)",
+    )
     parser.add_argument("--tiled-loss", action="store_true", help="LM head + cross-entropy in chunks")
     parser.add_argument(
         "--tiled-mlp",
@@ -192,7 +199,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
     flags = [
         name
         for name, on in (
-            ("gradient checkpointing", run.gradient_checkpointing),
+            ("activation checkpointing", run.gradient_checkpointing),
             ("tiled loss", run.tiled_loss),
             (f"tiled MLP ({'auto' if run.tiled_mlp is True else run.tiled_mlp} tiles)", run.tiled_mlp),
             (f"tiled layer ({'auto' if run.tiled_layer is True else run.tiled_layer} tiles)", run.tiled_layer),

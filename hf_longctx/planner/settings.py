@@ -125,7 +125,7 @@ def plan_flags(run: RunConfig) -> list[str]:
     for flag, value in (("--tiled-mlp", run.tiled_mlp), ("--tiled-layer", run.tiled_layer)):
         if value is not False:
             flags += [flag] if value is True else [flag, str(value)]
-    switches = (("--gradient-checkpointing", run.gradient_checkpointing), ("--tiled-loss", run.tiled_loss),
+    switches = (("--activation-checkpointing", run.gradient_checkpointing), ("--tiled-loss", run.tiled_loss),
                 ("--offload-activations", run.offload_activations), ("--offload-optimizer", run.offload_optimizer),
                 ("--offload-params", run.offload_params), ("--router-loss", run.router_loss))  # fmt: skip
     return flags + [flag for flag, on in switches if on]
@@ -142,8 +142,8 @@ def settings_for(model_arg: str, run: RunConfig, device_flags: tuple[str, ...] =
     if run.liger_kernels:
         raise ValueError("--liger-kernels maps to no hf_longctx setting; plan without it to get settings to use.")
     training: dict[str, Any] = {"per_device_train_batch_size": run.micro_batch, "bf16": run.dtype == "bf16"}
-    if run.gradient_checkpointing:
-        training["gradient_checkpointing"] = True
+    if run.gradient_checkpointing:  # transformers 5.25 deprecates gradient_checkpointing (gone in v6)
+        training["activation_checkpointing"] = True
     parallel: dict[str, Any] = {"sp_size": run.sp}
     if run.sp_backend != "ulysses":
         parallel["sp_backend"] = run.sp_backend
