@@ -212,3 +212,26 @@ def test_the_printed_plan_command_keeps_the_device(capsys, device):
     assert argv[argv.index("--model") + 2 : argv.index("--model") + 4] == device, argv
     again_code, again = _json(capsys, argv)
     assert again_code == 0 and again["peak_gib"] == found["peak_gib"] and again["device"] == out["device"]
+
+
+def test_an_sp_group_wider_than_a_node_is_warned_about_and_never_suggested(capsys):
+    """Ulysses' all-to-alls over a group that spans nodes cross the inter-node network (issue 44): the plan says so,
+    naming the hybrid backend, and the search keeps every group inside a node."""
+    argv = ["plan", "--model", "llama3.1-8b", "--seq-len", "262144", "--world", "16", "--sp", "16", "--engine", "zero3"]
+    code, out = _json(capsys, [*argv, "--activation-checkpointing", "--tiled-loss"])
+    assert code == 0 and out["verdict"] == "fits"
+    (warning,) = [w for w in out["warnings"] if "spans nodes" in w]
+    assert 'sp_backend="auto"' in warning and "hybrid" in warning and "ring across nodes" in warning
+    assert main([*argv, "--activation-checkpointing", "--tiled-loss"]) == 0
+    assert "WARNING: an SP group of 16 ranks spans nodes of 8" in capsys.readouterr().out
+    inside = _json(capsys, [*argv[:-4], "--sp", "8", "--engine", "zero3", "--activation-checkpointing"])[1]
+    assert not [w for w in inside["warnings"] if "spans nodes" in w]
+    # 4 ranks a node: SP 8 spans two; SP 3 of 12 ranks straddles a node boundary too.
+    assert RunConfig(seq_len=8, world=8, sp=8, ranks_per_node=4).sp_spans_nodes
+    assert RunConfig(seq_len=8, world=12, sp=3, ranks_per_node=4).sp_spans_nodes
+    assert not RunConfig(seq_len=8, world=8, sp=4, ranks_per_node=4).sp_spans_nodes
+    model = load_model_shape("llama3.1-8b")
+    wide = RunConfig(seq_len=2_000_000, world=16, sp=16, engine="zero3")
+    assert {c.sp for c in candidates(model, wide)} == {1, 2, 4, 8}
+    best = search(model, wide, H100).best
+    assert best is not None and not best.run.sp_spans_nodes and not best.plan.warnings
