@@ -241,3 +241,19 @@ def test_a_line_is_planned_at_its_own_arguments_and_ranks():
     slurm = parse_launch("CONFIG=configs/2nodes_sp8.yaml sbatch configs/slurm_2nodes.sbatch --max_length 1024")
     assert (slurm.engine, slurm.world, slurm.node_ranks, slurm.recipe["max_length"]) == (
         ("zero3", False, False), 16, 8, 1024)  # fmt: skip
+
+
+def test_the_slurm_template_asks_for_the_host_memory_and_cpus_its_lines_need():
+    """The template's lines offload activations to pinned host memory (128 GiB per node for its default recipe):
+    `--mem` must cover the plan's host RAM per node (`--mem=0`: all of it), and the one task per node that runs
+    every rank gets CPUs of its own, handed on to srun."""
+    template = (ROOT / SBATCH_TEMPLATE).read_text()
+    mem = _sbatch_option("mem")
+    for _, line in gpu_lines():
+        if "sbatch" in line.split()[:2]:
+            plan = plan_line(line)
+            assert plan.host_gib > 0  # the recipe offloads: without a memory request Slurm may give a node little
+            if mem != "0":
+                assert float(mem.rstrip("G")) >= plan.host_gib, (mem, plan.host_gib)
+    assert int(_sbatch_option("cpus-per-task")) >= int(_sbatch_option("gpus-per-node"))
+    assert "SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK" in template  # srun of Slurm 22.05+ does not inherit it
