@@ -19,7 +19,7 @@ from hf_longctx.planner.estimate import PLAN_ERROR, Plan, estimate, max_seq_len
 from hf_longctx.planner.model_shape import load_model_shape, shipped_model_names
 from hf_longctx.planner.run import ATTNS, DTYPES, ENGINES, SP_BACKENDS, UNMODELLED_BACKENDS, RunConfig
 from hf_longctx.planner.search import SearchResult, search
-from hf_longctx.planner.settings import settings_for
+from hf_longctx.planner.settings import SLURM_TEMPLATE, Settings, settings_for
 
 EXIT_CODES = {"fits": 0, "tight": 3}  # anything else: 1 (does not fit); 2: invalid input
 
@@ -50,7 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="ddp", help="data-parallel engine (default ddp)")
     parser.add_argument("--offload-optimizer", action="store_true", help="DeepSpeed optimizer states on the CPU")
     parser.add_argument("--offload-params", action="store_true", help="ZeRO-3 / FSDP2 parameters on the CPU")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="keep one hidden state per layer")
+    parser.add_argument(
+        "--activation-checkpointing",
+        "--gradient-checkpointing",  # the old name: transformers 5.25 deprecates it in TrainingArguments
+        dest="gradient_checkpointing",
+        action="store_true",
+        help="keep one hidden state per layer (TrainingArguments' activation_checkpointing; "
+        "--gradient-checkpointing is the old name)",
+    )
     parser.add_argument("--tiled-loss", action="store_true", help="LM head + cross-entropy in chunks")
     parser.add_argument(
         "--tiled-mlp",
@@ -171,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         longest = max_seq_len(model, config, device, margin=PLAN_ERROR) if args.max_seq else None
         # The search ends in GPU launch settings: the CPU profile is for checking the model against CPU runs.
         found = search(model, config, device) if plan.verdict() != "fits" and not device.host_is_device else None
+        settings = multi_node_settings(args, config, plan) if not device.host_is_device else None
     except ValueError as exc:
         print(f"hf-longctx plan: error: {exc}", file=sys.stderr)
         return 2
@@ -182,9 +190,13 @@ def run(args: argparse.Namespace) -> int:
             out["max_seq_fits"] = longest
         if found is not None:
             out["search"] = search_dict(args.model, found, device_flags(args))
+        if settings is not None:
+            out["launch"] = {key: getattr(settings, key) for key in ("launch_command", "slurm_command", "sp_size_note")}
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, model.name, config, device, longest))
+        if settings is not None:
+            print("\n".join(["  to launch it:", *(f"    {line}" for line in launch_lines(settings, config))]))
         if found is not None:
             print(format_search(args.model, found, config, device_flags(args)))
     return EXIT_CODES.get(plan.verdict(), 1)
@@ -195,7 +207,7 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
     flags = [
         name
         for name, on in (
-            ("gradient checkpointing", run.gradient_checkpointing),
+            ("activation checkpointing", run.gradient_checkpointing),
             ("tiled loss", run.tiled_loss),
             (f"tiled MLP ({'auto' if run.tiled_mlp is True else run.tiled_mlp} tiles)", run.tiled_mlp),
             (f"tiled layer ({'auto' if run.tiled_layer is True else run.tiled_layer} tiles)", run.tiled_layer),
@@ -239,6 +251,32 @@ def format_plan(plan: Plan, model_name: str, run: RunConfig, device: DeviceProfi
     return "\n".join(lines)
 
 
+def multi_node_settings(args: argparse.Namespace, run: RunConfig, plan: Plan) -> Settings | None:
+    """The launch settings of a multi-node run that fits (or is tight): how to start it on every node, and under
+    Slurm. None on one node, when it does not fit (the search prints a configuration that does) or when no shipped
+    launch config runs it (ZeRO-1/2, Liger's kernels)."""
+    if run.world <= run.node_ranks or plan.verdict() not in ("fits", "tight"):
+        return None
+    try:
+        return settings_for(args.model, run, device_flags(args))
+    except ValueError:
+        return None
+
+
+def launch_lines(settings: Settings, run: RunConfig) -> list[str]:
+    """The `accelerate launch` line and, over several nodes, where it runs and the Slurm template's `sbatch` line."""
+    lines = [settings.launch_command]
+    if run.world > run.node_ranks:
+        lines.append("(on every node, with its own NODE_RANK and the first node's address as MAIN_NODE_IP)")
+        if settings.slurm_command is not None:
+            lines.append(f"under Slurm, from the repository's root: {settings.slurm_command}")
+        else:
+            lines.append(f"(no {SLURM_TEMPLATE} line: its recipes/sft.py has no argument for every setting above)")
+    if settings.sp_size_note is not None:
+        lines.append(f"({settings.sp_size_note})")
+    return lines
+
+
 def verdict_text(plan: Plan) -> str:
     """The verdict with the headroom it leaves, or how far over the device it is."""
     if plan.peak_gib > plan.capacity_gib:
@@ -270,9 +308,7 @@ def format_search(model_arg: str, found: SearchResult, asked: RunConfig, device:
     ]
     if settings.model_config:
         lines.append("    model config: " + ", ".join(f"{k}={v!r}" for k, v in settings.model_config.items()))
-    lines.append(f"    {settings.launch_command}")
-    if best.run.world > best.run.node_ranks:
-        lines.append("    (on every node, with its own NODE_RANK and the first node's address as MAIN_NODE_IP)")
+    lines += [f"    {line}" for line in launch_lines(settings, best.run)]
     if asked.liger_kernels:
         lines.append("    (planned without --liger-kernels: no hf_longctx setting turns them on)")
     return "\n".join(lines)
@@ -295,6 +331,8 @@ def search_dict(model_arg: str, found: SearchResult, device: tuple[str, ...] = (
             "launch_config": settings.launch_config,
             "launch_flags": list(settings.launch_flags),
             "launch_command": settings.launch_command,
+            "slurm_command": settings.slurm_command,
+            "sp_size_note": settings.sp_size_note,
             "plan_command": settings.plan_command,
         }
     if found.lowest is not None:

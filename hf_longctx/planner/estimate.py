@@ -278,6 +278,13 @@ def estimate(model: ModelShape, run: RunConfig, device: DeviceProfile) -> Plan:
             f"of packed documents makes sdpa build a [S, S] mask, {_gib(square)} GiB at S = {run.seq_len:,} (not "
             "counted above); pad rows instead of packing them, or use --attn flash"
         )
+    if run.sp_spans_nodes:  # the planner models Ulysses only; hf_longctx's hybrid backend keeps it on the node
+        warnings.append(
+            f"an SP group of {run.sp} ranks spans nodes of {run.node_ranks} (--ranks-per-node): every Ulysses "
+            "all-to-all (four per layer, forward and backward) crosses the inter-node network; use "
+            'sp_backend="auto" (or "hybrid": Ulysses inside a node, a ring across nodes; not modelled here) or an '
+            f"--sp that divides {run.node_ranks}"
+        )
     # The backward at its last layer: only layer 0's saved tensors (or input) are left.
     stored_last = stack.kinds[0].kept(checkpoint) + shared + tower
     # The final norm's saved tensors; tiled_layer checkpoints it per tile, so only its input stays.

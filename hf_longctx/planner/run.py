@@ -121,6 +121,11 @@ class RunConfig:
         """Ranks sharing one node's host memory."""
         return self.ranks_per_node or min(self.world, 8)
 
+    @property
+    def sp_spans_nodes(self) -> bool:
+        """An SP group of consecutive ranks reaches past a node: wider than one, or not dividing the node's ranks."""
+        return self.world > self.node_ranks and (self.sp > self.node_ranks or self.node_ranks % self.sp != 0)
+
     def with_seq_len(self, seq_len: int) -> RunConfig:
         """The same run at another sequence length."""
         return RunConfig(**{**asdict(self), "seq_len": seq_len})

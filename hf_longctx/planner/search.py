@@ -86,9 +86,11 @@ def cost(run: RunConfig) -> int:
 
 
 def sp_sizes(model: ModelShape, run: RunConfig) -> list[int]:
-    """SP sizes to try: divisors of the world that divide the query heads, within one node (Ulysses over NVLink)."""
-    sizes = {p for p in range(1, run.node_ranks + 1) if run.world % p == 0 and model.heads % p == 0}
-    return sorted(sizes | {run.sp})
+    """SP sizes to try: divisors of the world that divide the query heads, each group inside one node (Ulysses over
+    NVLink): not the run's own size when its groups span nodes (the plan warns; hybrid SP is not modelled)."""
+    one_node = run.world <= run.node_ranks  # else a group must divide the node's ranks (`RunConfig.sp_spans_nodes`)
+    sizes = range(1, run.node_ranks + 1)
+    return [p for p in sizes if run.world % p == 0 and model.heads % p == 0 and (one_node or run.node_ranks % p == 0)]
 
 
 def candidates(model: ModelShape, run: RunConfig) -> Iterator[RunConfig]:

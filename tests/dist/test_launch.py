@@ -174,7 +174,7 @@ def _torchrun(tmp: Path, port: int) -> Commands:
 def _slurm(tmp: Path, port: int) -> Commands:
     """`sbatch configs/slurm_2nodes.sbatch ARGS` without Slurm: bash runs the script as the batch step does."""
     allocation = {"SLURM_JOB_NODELIST": HEAD, "SLURM_NNODES": str(NODES), "SLURM_GPUS_ON_NODE": str(PER_NODE)}
-    env = {**allocation, "RECIPE": RECIPE[2], "HEAD_PORT": str(port)}
+    env = {**allocation, "RECIPE": RECIPE[2], "MAIN_NODE_PORT": str(port)}
     env["PATH"] = f"{SLURM_STANDIN}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
     return [(["bash", "configs/slurm_2nodes.sbatch", *SMALL], env)]
 

@@ -186,3 +186,23 @@ def test_the_multi_node_configs_are_the_shipped_two_node_ones():
         if yaml.safe_load(p.read_text()).get("num_machines", 1) > 1
     }
     assert shipped == MULTI_NODE_CONFIGS
+
+
+def test_node_0_has_one_name_everywhere():
+    """`$MAIN_NODE_IP` (accelerate's `--main_process_ip`) in every line, the Slurm template and the planner's lines."""
+    from hf_longctx.planner import RunConfig, settings_for
+
+    multi_node = [line for _, line in documented_lines() if "--main_process_ip" in line or "--rdzv_endpoint" in line]
+    assert multi_node
+    for line in multi_node:
+        words = shlex.split(line)
+        flags = {word: words[i + 1] for i, word in enumerate(words[:-1]) if word.startswith("--")}
+        node0 = flags.get("--main_process_ip") or flags["--rdzv_endpoint"].split(":")[0]
+        assert node0 == "$MAIN_NODE_IP", line
+    template = (ROOT / SBATCH_TEMPLATE).read_text()
+    assert '--main_process_ip "$MAIN_NODE_IP"' in template and "MAIN_NODE_IP=$(scontrol show hostnames" in template
+    flags = settings_for("llama3.1-8b", RunConfig(seq_len=8192, world=16, sp=8, engine="zero3")).launch_flags
+    assert flags[flags.index("--main_process_ip") + 1] == "$MAIN_NODE_IP"
+    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "configs").iterdir()]:
+        if path.is_file():
+            assert not re.search(r"\$NODE0\b|\bHEAD_NODE\b|\bHEAD_PORT\b", path.read_text()), path

@@ -107,3 +107,33 @@ def test_host_memory_refuses_offload_that_does_not_fit(capsys):
 def test_unmodelled_backend_exits_2(capsys):
     assert main([*QWEN_128K, "--sp-backend", "ring"]) == 2
     assert "--sp-backend ring is not modelled" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_is_the_flag_and_the_setting_with_the_old_flag_kept(capsys, tmp_path):
+    """transformers 5.25 deprecates TrainingArguments' `gradient_checkpointing` (FutureWarning) for
+    `activation_checkpointing`: the plan prints the new name, takes both flags, and the printed setting is one a recipe
+    YAML and SFTConfig accept without the warning."""
+    import warnings
+
+    from trl import SFTConfig, TrlParser
+
+    from hf_longctx.planner.settings import settings_for
+
+    old = _json(capsys, [*QWEN_128K, "--gradient-checkpointing"])[1]["run"]
+    assert old == _json(capsys, [*QWEN_128K, "--activation-checkpointing"])[1]["run"] and old["gradient_checkpointing"]
+    settings = settings_for("qwen3-4b", RunConfig(seq_len=131072, world=4, sp=4, gradient_checkpointing=True))
+    assert settings.training_arguments["activation_checkpointing"] is True
+    assert "gradient_checkpointing" not in settings.training_arguments
+    assert "--activation-checkpointing" in settings.plan_command.split()
+    main([*QWEN_128K, "--activation-checkpointing"])
+    text = capsys.readouterr().out
+    assert "activation checkpointing" in text and "activation_checkpointing=True" in text
+    recipe = tmp_path / "recipe.yaml"
+    fields = {**settings.training_arguments, "bf16": False}  # bf16 needs a GPU
+    recipe.write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in fields.items()) + "use_cpu: true\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        (args,) = TrlParser((SFTConfig,)).parse_args_and_config(
+            ["--config", str(recipe), "--output_dir", str(tmp_path)]
+        )
+    assert args.activation_checkpointing is True

@@ -6,9 +6,11 @@ planned). Issue 36, item 4. Torch-free except where the real setting classes are
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import shlex
+import sys
 
 import pytest
 
@@ -137,7 +139,7 @@ def test_every_printable_suggestion_is_a_real_setting():
 
     trainer = {f.name for f in dataclasses.fields(TrainingArguments)}
     arguments = trainer & {f.name for f in dataclasses.fields(SFTConfig)}
-    parser, plan_parser, seen, configs = launch_command_parser(), build_parser(), set(), set()
+    parser, plan_parser, seen, configs, slurm = launch_command_parser(), build_parser(), set(), set(), set()
     for model, run in _every_suggestion():
         settings = settings_for(model, run)
         assert set(settings.training_arguments) <= arguments
@@ -159,6 +161,57 @@ def test_every_printable_suggestion_is_a_real_setting():
             assert launch.mixed_precision == ("bf16" if run.dtype == "bf16" else "no"), argv
         args = plan_parser.parse_args(shlex.split(settings.plan_command)[1:])
         assert run_config(args) == run, settings.plan_command
+        if run.world > run.node_ranks:
+            _check_slurm(settings, run, parser, slurm)
+
+
+def _check_slurm(settings, run: RunConfig, parser, seen: set) -> None:
+    """The Slurm line runs the planned run: configs/slurm_2nodes.sbatch's `accelerate launch` (with the allocation
+    the line asks for) resolves to its engine, processes, nodes, offloads and precision, and recipes/sft.py's parser
+    takes its recipe arguments to the planned settings. Only head chunks and the router loss have no sft.py argument."""
+    from accelerate.commands.launch import _validate_launch_command
+
+    if settings.slurm_command is None:
+        assert run.ulysses_head_chunks > 1 or run.router_loss, run
+        return
+    words = shlex.split(settings.slurm_command)
+    env = dict(w.split("=", 1) for w in words[: words.index("sbatch")])
+    assert set(env) <= {"CONFIG", "RECIPE", "LAUNCH_FLAGS"} and env["CONFIG"] == settings.launch_config, env
+    at = words.index("configs/slurm_2nodes.sbatch")
+    options = dict(w[2:].split("=") for w in words[words.index("sbatch") + 1 : at])
+    nodes, per_node = int(options.get("nodes", 2)), int(options.get("gpus-per-node", 8))
+    argv = ["--config_file", env["CONFIG"], *shlex.split(env.get("LAUNCH_FLAGS", ""))]
+    argv += ["--num_machines", str(nodes), "--num_processes", str(nodes * per_node), "--machine_rank", "0"]
+    key = (*argv, run.engine, run.world, run.node_ranks, run.offload_optimizer, run.offload_params, run.dtype)
+    if key not in seen:  # each distinct launch once (accelerate re-reads the YAML each time)
+        seen.add(key)
+        launch, _, _ = _validate_launch_command(parser.parse_args([*argv, "--main_process_ip", "10.0.0.1", "t.py"]))
+        assert _launched(launch) == (run.engine, run.world, -(-run.world // run.node_ranks)), argv
+        assert _offloads(launch) == (run.offload_optimizer, run.offload_params), argv
+        assert launch.mixed_precision == ("bf16" if run.dtype == "bf16" else "no"), argv
+    parsed = vars(_sft_parser().parse_args(words[at + 1 :]))
+    expected = {**settings.parallelism_config, "max_length": run.seq_len, **settings.training_arguments}
+    parsed.update({key: _tiles(parsed[key]) for key in ("tiled_mlp", "tiled_layer")})
+    assert {key: parsed[key] for key in expected} == expected, settings.slurm_command
+
+
+@functools.cache
+def _sft_parser():
+    """recipes/sft.py's argument parser (its TrlParser over its own arguments and SFTConfig), built once."""
+    from trl import SFTConfig, TrlParser
+
+    sys.path.insert(0, str(REPO_ROOT / "recipes"))
+    try:
+        from sft import LongContextArguments
+    finally:
+        sys.path.remove(str(REPO_ROOT / "recipes"))
+    return TrlParser((LongContextArguments, SFTConfig))
+
+
+def _tiles(value: str | bool | int) -> bool | int:
+    """A tile setting as recipes/sft.py reads it from its command line ("true", "false" or a count)."""
+    text = str(value).lower()
+    return text == "true" if text in ("true", "false") else int(text)
 
 
 def _launched(launch) -> tuple[str, int, int]:
@@ -212,3 +265,56 @@ def test_the_printed_plan_command_keeps_the_device(capsys, device):
     assert argv[argv.index("--model") + 2 : argv.index("--model") + 4] == device, argv
     again_code, again = _json(capsys, argv)
     assert again_code == 0 and again["peak_gib"] == found["peak_gib"] and again["device"] == out["device"]
+
+
+def test_an_sp_group_wider_than_a_node_is_warned_about_and_never_suggested(capsys):
+    """Ulysses' all-to-alls over a group that spans nodes cross the inter-node network (issue 44): the plan says so,
+    naming the hybrid backend, and the search keeps every group inside a node."""
+    argv = ["plan", "--model", "llama3.1-8b", "--seq-len", "262144", "--world", "16", "--sp", "16", "--engine", "zero3"]
+    code, out = _json(capsys, [*argv, "--activation-checkpointing", "--tiled-loss"])
+    assert code == 0 and out["verdict"] == "fits"
+    (warning,) = [w for w in out["warnings"] if "spans nodes" in w]
+    assert 'sp_backend="auto"' in warning and "hybrid" in warning and "ring across nodes" in warning
+    assert main([*argv, "--activation-checkpointing", "--tiled-loss"]) == 0
+    assert "WARNING: an SP group of 16 ranks spans nodes of 8" in capsys.readouterr().out
+    inside = _json(capsys, [*argv[:-4], "--sp", "8", "--engine", "zero3", "--activation-checkpointing"])[1]
+    assert not [w for w in inside["warnings"] if "spans nodes" in w]
+    # 4 ranks a node: SP 8 spans two; SP 3 of 12 ranks straddles a node boundary too.
+    assert RunConfig(seq_len=8, world=8, sp=8, ranks_per_node=4).sp_spans_nodes
+    assert RunConfig(seq_len=8, world=12, sp=3, ranks_per_node=4).sp_spans_nodes
+    assert not RunConfig(seq_len=8, world=8, sp=4, ranks_per_node=4).sp_spans_nodes
+    model = load_model_shape("llama3.1-8b")
+    wide = RunConfig(seq_len=2_000_000, world=16, sp=16, engine="zero3")
+    assert {c.sp for c in candidates(model, wide)} == {1, 2, 4, 8}
+    best = search(model, wide, H100).best
+    assert best is not None and not best.run.sp_spans_nodes and not best.plan.warnings
+
+
+def test_a_multi_node_plan_prints_its_slurm_line_with_the_sp_size_it_plans(capsys):
+    """Over two nodes the plan prints the Slurm template's line (its CONFIG: the engine planned, not the template's
+    default) and, where the YAML's name says another SP size, that the SP size is the recipe's: issue 44."""
+    argv = ["plan", "--model", "llama3.1-8b", "--seq-len", "524288", "--world", "16", "--sp", "4", "--engine", "zero3"]
+    flags = ["--activation-checkpointing", "--tiled-loss", "--tiled-mlp", "--offload-activations"]
+    code, out = _json(capsys, [*argv, *flags])
+    assert code == 0 and "search" not in out
+    slurm = out["launch"]["slurm_command"]
+    assert (
+        slurm.startswith("CONFIG=configs/2nodes_sp8.yaml RECIPE=") and " sbatch configs/slurm_2nodes.sbatch " in slurm
+    )
+    assert "--sp_size 4" in slurm and "--max_length 524288" in slurm and "--offload_activations true" in slurm
+    assert (
+        "sp_size=4" in out["launch"]["sp_size_note"]
+        and "whatever the YAML's name says" in out["launch"]["sp_size_note"]
+    )
+    assert main([*argv, *flags]) == 0
+    text = capsys.readouterr().out
+    assert "to launch it:" in text and slurm in text and "--main_process_ip $MAIN_NODE_IP" in text
+    code, eight = _json(capsys, [*argv[:-4], "--sp", "8", "--engine", "fsdp2", *flags])
+    assert eight["launch"]["sp_size_note"] is None and eight["launch"]["slurm_command"].startswith(
+        "CONFIG=configs/2nodes_fsdp2_sp8.yaml"
+    )
+    assert "launch" not in _json(capsys, ["plan", "--model", "llama3.1-8b", "--seq-len", "8192", "--world", "8"])[1]
+    # A suggestion that needs accelerate flags the template does not set passes them as LAUNCH_FLAGS.
+    run = RunConfig(seq_len=65536, world=16, sp=8, engine="zero3", offload_optimizer=True, dtype="fp32")
+    line = settings_for("llama3.1-8b", run).slurm_command
+    assert "'LAUNCH_FLAGS=--offload_optimizer_device cpu --mixed_precision no'" in line, line
