@@ -4,9 +4,11 @@
     torchrun --nproc_per_node 2 recipes/sft.py --config recipes/tiny_llama_4k_sp2.yaml
 
 With `model_name_or_path` unset (or "tiny") it trains the offline default (tiny random Llama, GPT-2 tokenizer,
-vendored Shakespeare cut into `max_length`-token windows). `long_documents` trains on documents of `max_length`
-tokens cut from the vendored texts concatenated, tokenized with the model's tokenizer as a stream, one per row
-(`packing: true`): the million-token recipes, whose `rope_parameters` (YaRN) extend the model's positions to
+vendored Shakespeare cut into `max_length`-token windows). `dataset_name` (a Hub name or a local folder) is what it
+trains on whenever it is set, on the command line or in the YAML, even where the recipe sets `long_documents`: TRL's
+scripts train on the dataset named. `long_documents` trains on documents of `max_length` tokens cut from the
+vendored texts concatenated, tokenized with the model's tokenizer as a stream, one per row (`packing: true`): the
+million-token recipes, whose `rope_parameters` (YaRN) extend the model's positions to
 `max_length`. `rope_parameters` is checked against the model (`hf_longctx.sequence.rope_extension.plan_rope`): a
 scaling written for other native positions, or one short of `max_length`, stops the run; `auto` derives YaRN from the
 model's own config. The RoPE chosen is printed. `compare_to` names a finished run (e.g. the same recipe with
@@ -51,7 +53,8 @@ class LongContextArguments:
     tiny_kv_heads: int = field(default=4, metadata={"help": "Key/value heads of the tiny Llama."})
     tiny_positions: int = field(default=32768, metadata={"help": "Native positions of the tiny Llama."})
     dataset_name: str | None = field(
-        default=None, metadata={"help": "HF dataset (text or messages); unset = Shakespeare."}
+        default=None,
+        metadata={"help": "HF dataset (text or messages); it wins over long_documents. Unset = shipped Shakespeare."},
     )
     max_windows: int | None = field(
         default=None, metadata={"help": "Cap on training rows of the shipped data (windows or long documents)."}
@@ -136,17 +139,13 @@ def main() -> None:
             attn_implementation=lc.attn_implementation,
         )
         model = tiny_llama(tokenizer, **{**shape, **_rope(lc, args, tiny_llama_config(tokenizer, **shape))})
-        train = _documents(tokenizer, args, lc) or window_dataset(
-            tokenizer, args.max_length, max_windows=lc.max_windows
-        )
+        train = _train_rows(tokenizer, args, lc)
         evals = (
             window_dataset(tokenizer, args.max_length, split="eval", max_windows=lc.eval_windows)
             if lc.eval_windows
             else None
         )
     else:
-        from datasets import load_dataset
-
         tokenizer = AutoTokenizer.from_pretrained(lc.model_name_or_path)
         config = AutoConfig.from_pretrained(lc.model_name_or_path)
         for key, value in _rope(lc, args, config.get_text_config()).items():
@@ -157,7 +156,7 @@ def main() -> None:
             attn_implementation=lc.attn_implementation,
             dtype=weights_dtype(lc.model_dtype),
         )
-        train = _documents(tokenizer, args, lc) or load_dataset(lc.dataset_name, split="train")
+        train = _train_rows(tokenizer, args, lc)
         evals = None
     trainer = SFTTrainer(
         model=model,
@@ -191,10 +190,26 @@ def main() -> None:
         print(f"loss curve vs {lc.compare_to}: max relative difference {worst:.2e} over {steps} steps (plot: {png})")
 
 
+def _train_rows(tokenizer, args: SFTConfig, lc: LongContextArguments):
+    """The training rows. `dataset_name`, from the command line or the YAML, wins over the recipe's `long_documents`
+    (as in TRL's own scripts, the dataset named is the one trained on); without it, the shipped data."""
+    if lc.dataset_name is not None:
+        if args.process_index == 0:
+            unused = " (long_documents: true of the recipe unused)" if lc.long_documents else ""
+            print(f"training rows: the train split of dataset_name {lc.dataset_name}{unused}")
+        return datasets.load_dataset(lc.dataset_name, split="train")
+    if lc.long_documents:
+        return _documents(tokenizer, args, lc)
+    if lc.model_name_or_path is None:
+        return window_dataset(tokenizer, args.max_length, max_windows=lc.max_windows)
+    raise ValueError(
+        f"No training data for {lc.model_name_or_path}: set dataset_name (a 'text' or 'messages' column) or "
+        "long_documents: true (documents cut from the shipped texts)."
+    )
+
+
 def _documents(tokenizer, args: SFTConfig, lc: LongContextArguments):
-    """`long_documents`: documents of `max_length` tokens from the vendored texts concatenated (None otherwise)."""
-    if not lc.long_documents:
-        return None
+    """`long_documents`: documents of `max_length` tokens from the vendored texts concatenated, one per row."""
     if not args.packing:
         raise ValueError("long_documents needs packing: true (one document of max_length tokens per row).")
     with args.main_process_first(desc="tokenizing the shipped corpus"):  # one rank writes the cache, the rest read
