@@ -22,7 +22,7 @@ GPU_RECIPES = [p for p in sorted((ROOT / "recipes").glob("*.yaml")) if not yaml.
 HEADROOM = PLAN_ERROR  # the planner's "fits": its measured error as headroom (docs/planner.md)
 # recipe key -> the plan flag that models it
 FLAGS = {
-    "gradient_checkpointing": "--gradient-checkpointing",
+    "activation_checkpointing": "--gradient-checkpointing",  # transformers 5.25's name of gradient_checkpointing
     "tiled_loss": "--tiled-loss",
     "tiled_mlp": "--tiled-mlp",
     "tiled_layer": "--tiled-layer",
