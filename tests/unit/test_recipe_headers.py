@@ -74,7 +74,7 @@ def test_first_launch_line_fits_the_gpu_the_header_names(path):
     config = yaml.safe_load((ROOT / opts["--config_file"]).read_text())
     recipe = yaml.safe_load(path.read_text())
     count, gpu = re.search(r"(\d+) x (H100|H200|A100)", text).groups()
-    world = int(opts.get("--num_processes") or config["num_processes"]) * config.get("num_machines", 1)
+    world = int(opts.get("--num_processes") or config["num_processes"])  # accelerate's: all nodes' processes
     assert int(count) == world, f"{path.name}: the header names {count} GPUs, the launch starts {world} ranks"
 
     plan = re.search(r"Plan \(hf-longctx plan (.+?)\): ([\d.]+) of ([\d.]+) GiB", text)
