@@ -107,3 +107,25 @@ def test_first_launch_line_fits_the_gpu_the_header_names(path):
     assert abs(result["capacity_gib"] - float(plan.group(3))) < 0.01
     fits = result["peak_gib"] <= (1 - HEADROOM) * result["capacity_gib"]
     assert fits, f"{path.name}: less than {HEADROOM:.0%} headroom"
+
+
+CORPUS_TOKENS = 1_397_952  # one listing of the shipped texts in GPT-2 tokens (docs/trainers.md)
+FEW_STEPS = 50
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.name)
+def test_a_recipe_of_few_steps_on_the_shipped_texts_says_it_is_a_smoke_test(path):
+    """A `long_documents` recipe trains on the shipped texts cut into rows of `max_length`: a few rows, so a few
+    optimizer steps. Its header must say so rather than read like a fine-tune."""
+    recipe = yaml.safe_load(path.read_text())
+    if not recipe.get("long_documents"):
+        pytest.skip("trains on a dataset")
+    header = _header(path)
+    launch = _options(shlex.split(next(line for line in header if line.startswith("accelerate launch"))))
+    config = yaml.safe_load((ROOT / launch["--config_file"]).read_text())
+    dp = int(launch.get("--num_processes") or config["num_processes"]) // recipe.get("sp_size", 1)
+    length = int(launch.get("--max_length") or recipe["max_length"])
+    rows = recipe.get("document_repeats", 1) * CORPUS_TOKENS // length
+    steps = -(-rows // (dp * recipe.get("gradient_accumulation_steps", 1)))
+    if steps < FEW_STEPS:
+        assert "smoke test" in " ".join(header).lower(), f"{path.name}: about {steps} steps, not called a smoke test"
