@@ -56,6 +56,8 @@ def model_rope(config: Any) -> dict[str, Any]:
     `rope_type` or `type`) beside a top-level `rope_theta`, folded in here.
     """
     rope = dict(_get(config, "rope_parameters") or _get(config, "rope_scaling") or {})
+    if rope and all(isinstance(value, dict) for value in rope.values()):  # one RoPE per layer type (Gemma 3)
+        return {"rope_type": "per layer type", **rope}
     if "type" in rope:
         rope.setdefault("rope_type", rope.pop("type"))
     rope.setdefault("rope_type", "default")

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from transformers import LlamaConfig, Phi3Config, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from hf_longctx.sequence.rope_extension import model_rope, native_positions, plan_rope
 
@@ -107,6 +107,9 @@ def test_auto_refuses_a_rope_type_it_cannot_extend():
     config = Phi3Config(hidden_size=32, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=longrope)
     with pytest.raises(ValueError, match="'longrope'"):
         plan_rope(config, 262144, "auto")
+    gemma3 = Gemma3TextConfig(hidden_size=32, num_attention_heads=4, head_dim=8)  # a RoPE per layer type
+    with pytest.raises(ValueError, match="'per layer type'"):
+        plan_rope(gemma3, 262144, "auto")
 
 
 def _shipped(model: str) -> dict:
