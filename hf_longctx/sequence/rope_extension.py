@@ -77,7 +77,7 @@ def native_positions(config: Any) -> int:
     return _NATIVE_BY_RELEASE.get((_get(config, "model_type"), positions), positions)
 
 
-def _derived(config: Any, rope: dict[str, Any], native: int, max_length: int) -> dict[str, Any]:
+def _derived(rope: dict[str, Any], native: int, max_length: int) -> dict[str, Any]:
     """YaRN over the model's native positions with `factor = max_length / native`, keeping its base and band."""
     if rope["rope_type"] not in _EXTENDABLE or "mrope_section" in rope or "rope_theta" not in rope:
         raise ValueError(
@@ -126,7 +126,7 @@ def plan_rope(
         if max_length <= reach:
             note = f"the model's own: its {reach:,} positions ({rope['rope_type']}) reach max_length {max_length:,}"
             return RopePlan(None, None, native, note)
-        derived = _derived(config, rope, native, max_length)
+        derived = _derived(rope, native, max_length)
         note = f"derived: YaRN factor {derived['factor']:g} over {name}'s {native:,} native positions"
         return RopePlan(derived, max_length, native, note)
     if isinstance(rope_parameters, str):
