@@ -4,11 +4,15 @@
     torchrun --nproc_per_node 2 recipes/sft.py --config recipes/tiny_llama_4k_sp2.yaml
 
 With `model_name_or_path` unset (or "tiny") it trains the offline default (tiny random Llama, GPT-2 tokenizer,
-vendored Shakespeare cut into `max_length`-token windows). `long_documents` trains on documents of `max_length`
-tokens cut from the vendored texts concatenated, tokenized with the model's tokenizer as a stream, one per row
-(`packing: true`): the million-token recipes, whose `rope_parameters` (YaRN) extend the model's positions to
-`max_length`. `compare_to` names a finished run (e.g. the same recipe with `sp_size: 1`) whose loss curve is
-compared and plotted at the end.
+vendored Shakespeare cut into `max_length`-token windows). `dataset_name` (a Hub name or a local folder) is what it
+trains on whenever it is set, on the command line or in the YAML, even where the recipe sets `long_documents`: TRL's
+scripts train on the dataset named. `long_documents` trains on documents of `max_length` tokens cut from the
+vendored texts concatenated, tokenized with the model's tokenizer as a stream, one per row (`packing: true`): the
+million-token recipes, whose `rope_parameters` (YaRN) extend the model's positions to
+`max_length`. `rope_parameters` is checked against the model (`hf_longctx.sequence.rope_extension.plan_rope`): a
+scaling written for other native positions, or one short of `max_length`, stops the run; `auto` derives YaRN from the
+model's own config. The RoPE chosen is printed. `compare_to` names a finished run (e.g. the same recipe with
+`sp_size: 1`) whose loss curve is compared and plotted at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hf_longctx.data.long_documents import corpus_documents
 from hf_longctx.instrument.curves import compare_runs, plot_loss_curves
 from hf_longctx.integrations.trainer import sp_state
 from hf_longctx.integrations.trainer.callbacks import ThroughputCallback
+from hf_longctx.sequence.rope_extension import plan_rope
 
 
 @dataclass
@@ -46,8 +51,10 @@ class LongContextArguments:
     tiny_layers: int = field(default=4, metadata={"help": "Layers of the default tiny Llama."})
     tiny_heads: int = field(default=8, metadata={"help": "Query heads of the tiny Llama (hidden = 16 x heads)."})
     tiny_kv_heads: int = field(default=4, metadata={"help": "Key/value heads of the tiny Llama."})
+    tiny_positions: int = field(default=32768, metadata={"help": "Native positions of the tiny Llama."})
     dataset_name: str | None = field(
-        default=None, metadata={"help": "HF dataset (text or messages); unset = Shakespeare."}
+        default=None,
+        metadata={"help": "HF dataset (text or messages); it wins over long_documents. Unset = shipped Shakespeare."},
     )
     max_windows: int | None = field(
         default=None, metadata={"help": "Cap on training rows of the shipped data (windows or long documents)."}
@@ -70,8 +77,9 @@ class LongContextArguments:
     rope_parameters: str | None = field(
         default=None,
         metadata={
-            "help": "Replace the model's RoPE (transformers' rope_parameters, JSON or a YAML mapping), e.g. YaRN; "
-            "rope_theta defaults to the model's."
+            "help": "Replace the model's RoPE (transformers' rope_parameters, JSON or a YAML mapping), e.g. YaRN, "
+            "checked against the model's native positions and max_length; rope_theta defaults to the model's. "
+            "'auto': YaRN derived from the model's config when max_length exceeds its positions."
         },
     )
     max_position_embeddings: int | None = field(
@@ -127,24 +135,20 @@ def main() -> None:
             num_attention_heads=lc.tiny_heads,
             num_key_value_heads=lc.tiny_kv_heads,
             hidden_size=16 * lc.tiny_heads,  # heads of 16 dims (the default: 8 heads, hidden 128)
+            max_position_embeddings=lc.tiny_positions,
             attn_implementation=lc.attn_implementation,
         )
-        context = _context(lc, tiny_llama_config(tokenizer, **shape))
-        model = tiny_llama(tokenizer, **shape, **context)
-        train = _documents(tokenizer, args, lc) or window_dataset(
-            tokenizer, args.max_length, max_windows=lc.max_windows
-        )
+        model = tiny_llama(tokenizer, **{**shape, **_rope(lc, args, tiny_llama_config(tokenizer, **shape))})
+        train = _train_rows(tokenizer, args, lc)
         evals = (
             window_dataset(tokenizer, args.max_length, split="eval", max_windows=lc.eval_windows)
             if lc.eval_windows
             else None
         )
     else:
-        from datasets import load_dataset
-
         tokenizer = AutoTokenizer.from_pretrained(lc.model_name_or_path)
         config = AutoConfig.from_pretrained(lc.model_name_or_path)
-        for key, value in _context(lc, config.get_text_config()).items():
+        for key, value in _rope(lc, args, config.get_text_config()).items():
             setattr(config.get_text_config(), key, value)
         model = AutoModelForCausalLM.from_pretrained(
             lc.model_name_or_path,
@@ -152,7 +156,7 @@ def main() -> None:
             attn_implementation=lc.attn_implementation,
             dtype=weights_dtype(lc.model_dtype),
         )
-        train = _documents(tokenizer, args, lc) or load_dataset(lc.dataset_name, split="train")
+        train = _train_rows(tokenizer, args, lc)
         evals = None
     trainer = SFTTrainer(
         model=model,
@@ -186,10 +190,26 @@ def main() -> None:
         print(f"loss curve vs {lc.compare_to}: max relative difference {worst:.2e} over {steps} steps (plot: {png})")
 
 
+def _train_rows(tokenizer, args: SFTConfig, lc: LongContextArguments):
+    """The training rows. `dataset_name`, from the command line or the YAML, wins over the recipe's `long_documents`
+    (as in TRL's own scripts, the dataset named is the one trained on); without it, the shipped data."""
+    if lc.dataset_name is not None:
+        if args.process_index == 0:
+            unused = " (long_documents: true of the recipe unused)" if lc.long_documents else ""
+            print(f"training rows: the train split of dataset_name {lc.dataset_name}{unused}")
+        return datasets.load_dataset(lc.dataset_name, split="train")
+    if lc.long_documents:
+        return _documents(tokenizer, args, lc)
+    if lc.model_name_or_path is None:
+        return window_dataset(tokenizer, args.max_length, max_windows=lc.max_windows)
+    raise ValueError(
+        f"No training data for {lc.model_name_or_path}: set dataset_name (a 'text' or 'messages' column) or "
+        "long_documents: true (documents cut from the shipped texts)."
+    )
+
+
 def _documents(tokenizer, args: SFTConfig, lc: LongContextArguments):
-    """`long_documents`: documents of `max_length` tokens from the vendored texts concatenated (None otherwise)."""
-    if not lc.long_documents:
-        return None
+    """`long_documents`: documents of `max_length` tokens from the vendored texts concatenated, one per row."""
     if not args.packing:
         raise ValueError("long_documents needs packing: true (one document of max_length tokens per row).")
     with args.main_process_first(desc="tokenizing the shipped corpus"):  # one rank writes the cache, the rest read
@@ -201,24 +221,16 @@ def _documents(tokenizer, args: SFTConfig, lc: LongContextArguments):
     return rows
 
 
-def _context(lc: LongContextArguments, config) -> dict:
-    """`rope_parameters` and `max_position_embeddings` for the model's config ({} when the recipe keeps its RoPE).
-
-    A recipe's RoPE replaces the model's whole `rope_parameters` (Llama 3.1's own `llama3` scaling included);
-    `rope_theta` defaults to the model's, the positions to `factor x original_max_position_embeddings`."""
-    if lc.rope_parameters is None:
-        return {}
-    rope = json.loads(lc.rope_parameters) if isinstance(lc.rope_parameters, str) else dict(lc.rope_parameters)
-    theta = (config.rope_parameters or {}).get("rope_theta")
-    if theta is not None:
-        rope.setdefault("rope_theta", theta)
-    positions = lc.max_position_embeddings
-    if positions is None and {"factor", "original_max_position_embeddings"} <= rope.keys():
-        positions = int(rope["factor"] * rope["original_max_position_embeddings"])
-    positions = positions or config.max_position_embeddings
+def _rope(lc: LongContextArguments, args: SFTConfig, config) -> dict:
+    """The RoPE fields to set on the model's config ({} keeps its own), checked or derived for `max_length`."""
+    rope = lc.rope_parameters
+    if isinstance(rope, str) and rope != "auto":
+        rope = json.loads(rope)
+    # No max_length (no truncation): no row length to check a scaling against.
+    plan = plan_rope(config, args.max_length or 0, rope, lc.max_position_embeddings)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"RoPE: {json.dumps(rope, sort_keys=True)}, {positions:,} positions")
-    return {"rope_parameters": rope, "max_position_embeddings": positions}
+        print(plan.describe())
+    return plan.overrides()
 
 
 def _ring_options(lc: LongContextArguments) -> dict:

@@ -1,7 +1,7 @@
 """The million-token SFT recipe (recipes/llama31_8b_1m_sp8.yaml) shrunk to a CPU: the same YAML and script, the tiny
-offline Llama, documents of 8K tokens cut from the shipped texts concatenated, one per row, and the recipe's YaRN
-scaled down with it (2,048 native positions x factor 4): SP=2 through accelerate launch trains like the same recipe
-at sp_size 1 at positions past the native limit."""
+offline Llama with 2,048 native positions, documents of 8K tokens cut from the shipped texts concatenated, one per
+row, and the recipe's YaRN scaled down with it (factor 4 over the 2,048, which the recipe checks against the model):
+SP=2 through accelerate launch trains like the same recipe at sp_size 1 at positions past the native limit."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = "recipes/llama31_8b_1m_sp8.yaml"
 LENGTH, NATIVE = 8192, 2048
-SHRINK = ["--model_name_or_path", "tiny", "--max_length", str(LENGTH), "--document_repeats", "1", "--max_windows", "2",
-          "--max_steps", "2", "--tiny_layers", "1", "--bf16", "false", "--use_cpu", "true"]  # fmt: skip
+SHRINK = ["--model_name_or_path", "tiny", "--tiny_positions", str(NATIVE), "--max_length", str(LENGTH),
+          "--document_repeats", "1", "--max_windows", "2", "--max_steps", "2", "--tiny_layers", "1", "--bf16", "false",
+          "--use_cpu", "true"]  # fmt: skip
 
 
 def _shrunk_rope() -> dict:

@@ -22,7 +22,7 @@ GPU_RECIPES = [p for p in sorted((ROOT / "recipes").glob("*.yaml")) if not yaml.
 HEADROOM = PLAN_ERROR  # the planner's "fits": its measured error as headroom (docs/planner.md)
 # recipe key -> the plan flag that models it
 FLAGS = {
-    "gradient_checkpointing": "--gradient-checkpointing",
+    "activation_checkpointing": "--gradient-checkpointing",  # transformers 5.25's name of gradient_checkpointing
     "tiled_loss": "--tiled-loss",
     "tiled_mlp": "--tiled-mlp",
     "tiled_layer": "--tiled-layer",
@@ -74,7 +74,7 @@ def test_first_launch_line_fits_the_gpu_the_header_names(path):
     config = yaml.safe_load((ROOT / opts["--config_file"]).read_text())
     recipe = yaml.safe_load(path.read_text())
     count, gpu = re.search(r"(\d+) x (H100|H200|A100)", text).groups()
-    world = int(opts.get("--num_processes") or config["num_processes"]) * config.get("num_machines", 1)
+    world = int(opts.get("--num_processes") or config["num_processes"])  # accelerate's: all nodes' processes
     assert int(count) == world, f"{path.name}: the header names {count} GPUs, the launch starts {world} ranks"
 
     plan = re.search(r"Plan \(hf-longctx plan (.+?)\): ([\d.]+) of ([\d.]+) GiB", text)
@@ -107,3 +107,25 @@ def test_first_launch_line_fits_the_gpu_the_header_names(path):
     assert abs(result["capacity_gib"] - float(plan.group(3))) < 0.01
     fits = result["peak_gib"] <= (1 - HEADROOM) * result["capacity_gib"]
     assert fits, f"{path.name}: less than {HEADROOM:.0%} headroom"
+
+
+CORPUS_TOKENS = 1_397_952  # one listing of the shipped texts in GPT-2 tokens (docs/trainers.md)
+FEW_STEPS = 50
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.name)
+def test_a_recipe_of_few_steps_on_the_shipped_texts_says_it_is_a_smoke_test(path):
+    """A `long_documents` recipe trains on the shipped texts cut into rows of `max_length`: a few rows, so a few
+    optimizer steps. Its header must say so rather than read like a fine-tune."""
+    recipe = yaml.safe_load(path.read_text())
+    if not recipe.get("long_documents"):
+        pytest.skip("trains on a dataset")
+    header = _header(path)
+    launch = _options(shlex.split(next(line for line in header if line.startswith("accelerate launch"))))
+    config = yaml.safe_load((ROOT / launch["--config_file"]).read_text())
+    dp = int(launch.get("--num_processes") or config["num_processes"]) // recipe.get("sp_size", 1)
+    length = int(launch.get("--max_length") or recipe["max_length"])
+    rows = recipe.get("document_repeats", 1) * CORPUS_TOKENS // length
+    steps = -(-rows // (dp * recipe.get("gradient_accumulation_steps", 1)))
+    if steps < FEW_STEPS:
+        assert "smoke test" in " ".join(header).lower(), f"{path.name}: about {steps} steps, not called a smoke test"

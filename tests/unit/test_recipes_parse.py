@@ -1,6 +1,7 @@
 """Every recipe YAML parses with the parser of the script its header names (a recipe that stops at its first line,
 e.g. a TrainingArguments field a transformers release removed, fails here, not on a GPU). transformers 5 removed
-`warmup_ratio`, which six GPU recipes still set."""
+`warmup_ratio`, which six GPU recipes still set. transformers 5.25 deprecates `gradient_checkpointing` for
+`activation_checkpointing`: the recipes use the new name, and it turns checkpointing on."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from yaml import safe_load as yaml_load
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -43,3 +45,7 @@ def test_recipe_yaml_parses_with_its_script(yaml, monkeypatch):
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--config", str(yaml), "--bf16", "false"])
     parsed = TrlParser((getattr(module, recipe_args), getattr(trl, config))).parse_args_and_config()
     assert parsed[1].output_dir
+    recipe = yaml_load(yaml.read_text())
+    assert "gradient_checkpointing" not in recipe, f"{yaml.name}: use activation_checkpointing (transformers 5.25)"
+    if recipe.get("activation_checkpointing"):
+        assert parsed[1].gradient_checkpointing, "activation_checkpointing: true must turn checkpointing on"
