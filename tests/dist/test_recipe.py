@@ -49,3 +49,30 @@ def test_recipe_sp2_loss_curve_matches_no_sp(tmp_path):
         assert "\x1b[" not in log, "a terminal escape in the job's output"
     with open(os.path.join(sp, "README.md")) as card:
         assert card.read().startswith("# Tiny random-init Llama trained by hf_longctx")
+
+
+def test_an_explicit_dataset_name_is_what_trains(tmp_path):
+    """`--dataset_name` (a local folder) over a recipe's `long_documents: true`: its rows, one optimizer step each
+    for one epoch, are what trains (the shipped texts would give other rows and other steps)."""
+    import json
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"text": f"row {i}: " + "all the world's a stage " * (5 + i)} for i in range(5)]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    args = ["--sp_size", "1", "--dataset_name", str(data), "--long_documents", "true", "--max_steps", "-1"]
+    args += ["--num_train_epochs", "1", "--max_length", "64", "--tiny_layers", "1", "--save_strategy", "no"]
+    args += ["--output_dir", str(out)]
+    done = subprocess.run(
+        [sys.executable, "recipes/sft.py", "--config", "recipes/tiny_llama_4k_sp2.yaml", *args],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"the train split of dataset_name {data} (long_documents: true of the recipe unused)" in done.stdout
+    with open(out / "trainer_state.json") as state:
+        assert json.load(state)["global_step"] == len(rows)
