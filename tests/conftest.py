@@ -1,8 +1,10 @@
-"""Shared pytest setup: offline Hugging Face environment, one torch thread, `gpu` and `slow` marker handling."""
+"""Shared pytest setup: offline Hugging Face environment, one torch thread, `gpu` and `slow` marker handling, and
+recipes/sft.py as a module (`sft_recipe`)."""
 
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import pytest
 
@@ -37,3 +39,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         if skip_slow and item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.skip(reason="slow test skipped by --skip-slow"))
+
+
+@pytest.fixture
+def sft_recipe(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """recipes/sft.py imported as a module (its `recipes/` imports resolved), gone from `sys.modules` after."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    monkeypatch.syspath_prepend(str(recipes))
+    spec = importlib.util.spec_from_file_location("recipe_sft", recipes / "sft.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module

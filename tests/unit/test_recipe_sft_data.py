@@ -4,9 +4,7 @@ with an error naming both. The dataset is a local folder (`datasets.load_dataset
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,13 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def sft(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-    spec = importlib.util.spec_from_file_location("recipe_sft_data", ROOT / "recipes" / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+def sft(sft_recipe):
+    return sft_recipe
 
 
 def _folder(tmp_path: Path) -> str:

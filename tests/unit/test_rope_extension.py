@@ -6,9 +6,7 @@ every GPU recipe's RoPE against the shipped config of the model it names."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,13 +136,9 @@ def test_every_recipe_rope_fits_the_model_it_names(path):
         plan_rope(_shipped(recipe["model_name_or_path"]), length, recipe["rope_parameters"])
 
 
-def test_the_sft_recipe_refuses_the_llama_scaling_for_qwen3_8b(monkeypatch):
+def test_the_sft_recipe_refuses_the_llama_scaling_for_qwen3_8b(sft_recipe):
     """`--model_name_or_path Qwen/Qwen3-8B --max_length 262144` on the Llama 512K recipe stops before training."""
-    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-    spec = importlib.util.spec_from_file_location("recipe_sft_rope", ROOT / "recipes" / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = sft_recipe
     qwen3 = Qwen3Config(**{k: v for k, v in _shipped("Qwen/Qwen3-8B").items() if k != "architectures"})
     recipe = yaml.safe_load((ROOT / "recipes" / "llama31_8b_512k_sp8.yaml").read_text())
     args = SimpleNamespace(max_length=262144)
