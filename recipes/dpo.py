@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import datasets
+from _parse import parse_recipe
 from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer, TrlParser
@@ -62,7 +63,7 @@ def shakespeare_pairs(n: int, prompt_chars: int, completion_chars: int) -> datas
 
 
 def main() -> None:
-    recipe, args = TrlParser((DPORecipeArguments, DPOConfig)).parse_args_and_config()
+    recipe, args = parse_recipe(TrlParser((DPORecipeArguments, DPOConfig)))
     if recipe.sp_size > 1 or recipe.tiled_loss:
         args.parallelism_config = hf_longctx.ParallelismConfig(
             sp_size=recipe.sp_size, sp_backend=recipe.sp_backend, tiled_loss=recipe.tiled_loss

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import datasets
+from _parse import parse_recipe
 from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
 from trl import GRPOConfig, GRPOTrainer, TrlParser
 
@@ -45,7 +46,7 @@ def parse_args() -> tuple[GRPORecipeArguments, GRPOConfig]:
     from the same parsed values: TRL's own refuses SP and sizes the generation batch counting every process as
     a data-parallel rank, while the SP ranks of a group share their prompts."""
     parser = TrlParser((GRPORecipeArguments, GRPOConfig))
-    recipe, args = parser.parse_args_and_config()
+    recipe, args = parse_recipe(parser)
     if recipe.sp_size == 1:
         return recipe, args
     # parse_args_and_config made the YAML values the parser's defaults: this namespace is what GRPOConfig was given.

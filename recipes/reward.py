@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import datasets
 import torch
+from _parse import parse_recipe
 from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
 from dpo import shakespeare_pairs  # the toy pairs of the DPO recipe
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
@@ -42,7 +43,7 @@ class RewardRecipeArguments:
 
 
 def main() -> None:
-    recipe, args = TrlParser((RewardRecipeArguments, RewardConfig)).parse_args_and_config()
+    recipe, args = parse_recipe(TrlParser((RewardRecipeArguments, RewardConfig)))
     if recipe.sp_size > 1:
         args.parallelism_config = hf_longctx.ParallelismConfig(sp_size=recipe.sp_size, sp_backend=recipe.sp_backend)
     if recipe.model_name_or_path is None:

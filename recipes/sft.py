@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import datasets
 import transformers
+from _parse import parse_recipe
 from _weights import model_dtype_field, weights_dtype  # this folder: the recipes run as scripts
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, TrlParser
@@ -113,7 +114,7 @@ def main() -> None:
     # transformers' "Writing model shards" bar (one shard here) redraws over the Trainer's with a cursor-up
     # escape; the Trainer's own progress bar is unaffected.
     transformers.utils.logging.disable_progress_bar()
-    lc, args = TrlParser((LongContextArguments, SFTConfig)).parse_args_and_config()
+    lc, args = parse_recipe(TrlParser((LongContextArguments, SFTConfig)))
     flags = {
         "tiled_loss": lc.tiled_loss,
         "tiled_mlp": _tiles(lc.tiled_mlp),
