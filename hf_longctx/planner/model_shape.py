@@ -263,10 +263,13 @@ def load_model_shape(name_or_path: str) -> ModelShape:
     found, tried = _hub_config(name_or_path)
     if found is not None:
         return ModelShape.from_config(json.loads(found.read_text()), name=name_or_path)
+    # A Hub id whose model is shipped under its short name (Qwen/Qwen3-8B: qwen3-8b) is planned from that.
+    short = key.rsplit("/", 1)[-1].replace("llama-3.1", "llama3.1").replace("meta-", "")
+    shipped = f"--model {short} (shipped) or " if short in shipped_model_names() else ""
     raise ValueError(
         f"--model {name_or_path!r}: no config.json found. Tried: a local path ({path}: no such file); the shipped "
-        f"names {shipped_model_names()}; {'; '.join(tried)}. Fix: pass the path of the model's config.json (or of a "
-        "folder holding one), e.g. downloaded from the model's Hub page."
+        f"names {shipped_model_names()}; {'; '.join(tried)}. Fix: {shipped}pass the path of the model's config.json "
+        "(or of a folder holding one), e.g. downloaded from the model's Hub page."
     )
 
 

@@ -100,6 +100,13 @@ def test_offline_miss_names_what_was_tried_and_the_fix(hub):
         "path of the model's config.json",
     ):
         assert part in message
+    assert "(shipped)" not in message
+
+
+@pytest.mark.parametrize(("repo", "short"), [("Qwen/Qwen3-8B", "qwen3-8b"), ("meta-llama/Llama-3.1-8B", "llama3.1-8b")])
+def test_a_hub_id_of_a_shipped_model_names_the_shipped_name_when_missed(hub, repo, short):
+    with pytest.raises(ValueError, match=f"Fix: --model {short} \\(shipped\\)"):
+        load_model_shape(repo)
 
 
 @pytest.mark.parametrize(
