@@ -10,6 +10,7 @@ the common MoE names.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -263,14 +264,19 @@ def load_model_shape(name_or_path: str) -> ModelShape:
     found, tried = _hub_config(name_or_path)
     if found is not None:
         return ModelShape.from_config(json.loads(found.read_text()), name=name_or_path)
-    # A Hub id whose model is shipped under its short name (Qwen/Qwen3-8B: qwen3-8b) is planned from that.
-    short = key.rsplit("/", 1)[-1].replace("llama-3.1", "llama3.1").replace("meta-", "")
-    shipped = f"--model {short} (shipped) or " if short in shipped_model_names() else ""
+    # A Hub id of a model shipped under a short name (Qwen/Qwen3-8B: qwen3-8b) can be planned from that.
+    same = [n for n in shipped_model_names() if _bare(n) == _bare(key.rsplit("/", 1)[-1])]
+    shipped = f"--model {same[0]} (shipped) or " if same else ""
     raise ValueError(
         f"--model {name_or_path!r}: no config.json found. Tried: a local path ({path}: no such file); the shipped "
         f"names {shipped_model_names()}; {'; '.join(tried)}. Fix: {shipped}pass the path of the model's config.json "
         "(or of a folder holding one), e.g. downloaded from the model's Hub page."
     )
+
+
+def _bare(name: str) -> str:
+    """A model name without its maker's prefix and punctuation: Meta-Llama-3.1-8B and llama3.1-8b are one."""
+    return re.sub(r"[^a-z0-9]", "", name.lower().removeprefix("meta-"))
 
 
 def _hub_config(repo_id: str) -> tuple[Path | None, list[str]]:
